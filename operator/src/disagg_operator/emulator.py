@@ -1,0 +1,458 @@
+"""A Kubernetes API emulator for development and tests: kmock's KubernetesEmulator, completed.
+
+This is a stand-in for a real API server (none can run on the CI machines), not a mock of our
+own code. It adds what the operator and `kubectl` rely on and kmock leaves out: server-side
+apply, uid/generation/resourceVersion, status-subresource semantics, label and field selectors,
+ownerReference garbage collection, CRD registration on create, Table output for printer columns,
+kubectl-readable discovery, lists and watches, and an optional workload controller that reports
+Deployments and StatefulSets ready (there is no kubelet here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import re
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import aiohttp.web
+import attrs
+import jsonschema
+import kmock
+from jsonpath_ng.ext import parse as jsonpath_parse
+from kmock._internal import enums, rendering
+from typing_extensions import override
+
+APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+WORKLOAD_PLURALS = ("deployments", "statefulsets")
+Readiness = Literal["instant", "manual"]
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _age(timestamp: str) -> str:
+    """A timestamp as the API server's Table shows it: the time since, e.g. 42s, 5m, 3h, 2d."""
+    then = datetime.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    seconds = max(0, int((datetime.datetime.now(datetime.UTC) - then).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _merge_patch_to(current: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch that turns `current` into `target` (None deletes a key)."""
+    patch: dict[str, Any] = {}
+    for key in current.keys() - target.keys():
+        patch[key] = None
+    for key, value in target.items():
+        old = current.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            sub = _merge_patch_to(old, value)
+            if sub:
+                patch[key] = sub
+        elif old != value or key not in current:
+            patch[key] = value
+    return patch
+
+
+def _deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    result = dict(base)
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        elif isinstance(value, dict) and isinstance(result.get(key), dict):
+            result[key] = _deep_merge(result[key], value)
+        else:
+            result[key] = value
+    return result
+
+
+def _matches_labels(obj: dict[str, Any], selector: str) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key) == value:
+                return False
+        elif "=" in term:
+            key, value = term.split("==", 1) if "==" in term else term.split("=", 1)
+            if labels.get(key) != value:
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
+def _matches_fields(obj: dict[str, Any], selector: str) -> bool:
+    meta = obj.get("metadata") or {}
+    for term in filter(None, (t.strip() for t in selector.split(","))):
+        key, _, value = term.replace("==", "=").partition("=")
+        if key == "metadata.name" and meta.get("name") != value:
+            return False
+        if key == "metadata.namespace" and meta.get("namespace") != value:
+            return False
+    return True
+
+
+def _rewrite(request: rendering.Request, **changes: Any) -> rendering.Request:
+    """Change a parsed request in place: kmock tracks requests by identity, so no copies."""
+    for name, value in changes.items():
+        object.__setattr__(request, name, value)
+    return request
+
+
+def apply_schema_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Structural-schema defaulting: fill absent properties that declare a default."""
+    if isinstance(value, dict) and "properties" in schema:
+        result = dict(value)
+        for name, sub in schema["properties"].items():
+            if name not in result and "default" in sub:
+                result[name] = copy.deepcopy(sub["default"])
+            if name in result:
+                result[name] = apply_schema_defaults(sub, result[name])
+        return result
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [apply_schema_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def _plain_schema(schema: Any) -> Any:
+    """The schema without Kubernetes extensions that JSON Schema would misread."""
+    if isinstance(schema, dict):
+        plain = {k: _plain_schema(v) for k, v in schema.items() if not k.startswith("x-")}
+        if schema.get("x-kubernetes-int-or-string"):
+            plain["type"] = ["integer", "string"]
+        return plain
+    if isinstance(schema, list):
+        return [_plain_schema(v) for v in schema]
+    return schema
+
+
+@attrs.define(kw_only=True)
+class ClusterEmulator(kmock.KubernetesEmulator):
+    """The emulated API server. `readiness` decides how workloads report ready replicas."""
+
+    readiness: Readiness = "instant"
+    printer_columns: dict[kmock.resource, list[dict[str, Any]]] = attrs.field(factory=dict)
+    schemas: dict[kmock.resource, dict[str, Any]] = attrs.field(factory=dict)
+    _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+        self.fallback["get /openapi/v3"] << (lambda: self.openapi_v3_root())
+        self.fallback["get", re.compile(r"/openapi/v3/apis?/.+")] << (
+            lambda request: self.openapi_v3_group(
+                request.url.path.split("/openapi/v3/", 1)[1].removeprefix("api/")
+                .removeprefix("apis/")))
+
+    # -- resources --------------------------------------------------------------------------
+
+    def register_crd(self, crd: dict[str, Any]) -> None:
+        """Serve a CustomResourceDefinition's resource, as an API server does on CRD creation."""
+        spec = crd["spec"]
+        for version in spec["versions"]:
+            res = kmock.resource(spec["group"], version["name"], spec["names"]["plural"])
+            self.resources[res] = kmock.ResourceInfo(
+                kind=spec["names"]["kind"], singular=spec["names"].get("singular"),
+                namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+                shortnames=set(spec["names"].get("shortNames", [])),
+                categories=set(spec["names"].get("categories", [])),
+                subresources=set(version.get("subresources", {})),
+            )
+            schema = version.get("schema", {}).get("openAPIV3Schema")
+            if schema:
+                self.schemas[res] = schema
+            if version.get("additionalPrinterColumns"):
+                self.printer_columns[res] = version["additionalPrinterColumns"]
+
+    def _has_status_subresource(self, res: kmock.resource) -> bool:
+        info = self.resources.get(res) if res in self.resources else None
+        return bool(info and "status" in info.subresources)
+
+    def _stored(self, key: Any) -> dict[str, Any] | None:
+        if key in self.objects and not self.objects[key].deleted:
+            return dict(self.objects[key].raw)
+        return None
+
+    # -- request handling -------------------------------------------------------------------
+
+    @override
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is None:
+            return await super()._handle(request)
+        if request.action == enums.action.WATCH:
+            return await self._stream_watch(request)
+        if request.action in (enums.action.LIST, enums.action.FETCH) and self._wants_table(
+                request) and request.resource in self.printer_columns:
+            return await self._serve_table(request)
+        if request.action == enums.action.LIST:
+            return await self._serve_filtered_list(request)
+        request = self._prepare_write(request)
+        response = await super()._handle(request)
+        if request.action in (enums.action.CREATE, enums.action.UPDATE):
+            await self._after_write(request)
+        if request.action == enums.action.DELETE:
+            await self._collect_garbage()
+        if request.action == enums.action.CREATE and request.resource.plural == \
+                "customresourcedefinitions" and request.data:
+            self.register_crd(request.data)
+        return response
+
+    def _prepare_write(self, request: rendering.Request) -> rendering.Request:
+        res = request.resource
+        assert res is not None
+        data = request.data if isinstance(request.data, dict) else None
+        is_apply = request.headers.get("Content-Type", "").startswith(APPLY_CONTENT_TYPE)
+        if request.method == enums.method.PATCH and data is not None:
+            key = (res, request.namespace, request.name)
+            current = self._stored(key)
+            if is_apply and current is None:
+                return self._as_create(request, data)
+            if current is None:
+                return request
+            if request.subresource == "status":
+                after = {**current, "status": data.get("status")}
+            elif is_apply:
+                # One field manager owns everything it applies: its body replaces the object.
+                after = copy.deepcopy(data)
+                after["metadata"] = {**data.get("metadata", {}), **{
+                    k: v for k, v in current.get("metadata", {}).items()
+                    if k in ("uid", "creationTimestamp", "generation", "resourceVersion",
+                             "finalizers", "deletionTimestamp", "namespace", "name")}}
+                if "status" in current:
+                    after["status"] = current["status"]
+            else:
+                patch = dict(data)
+                if self._has_status_subresource(res):
+                    patch.pop("status", None)
+                after = _deep_merge(current, patch)
+            after = self._admit(res, after)
+            after["metadata"]["resourceVersion"] = str(next(self._versions))
+            if after.get("spec") != current.get("spec"):
+                after["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
+            return _rewrite(request, data=_merge_patch_to(current, after))
+        if request.action == enums.action.CREATE and data is not None:
+            return self._as_create(request, data)
+        return request
+
+    def _as_create(self, request: rendering.Request, data: dict[str, Any]) -> rendering.Request:
+        assert request.resource is not None
+        body = copy.deepcopy(data)
+        meta = body.setdefault("metadata", {})
+        if request.namespace and not meta.get("namespace"):
+            meta["namespace"] = request.namespace  # kmock's namespaced watches need it
+        meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now(),
+                    resourceVersion=str(next(self._versions)))
+        if self._has_status_subresource(request.resource):
+            body.pop("status", None)
+        body = self._admit(request.resource, body)
+        return _rewrite(request, data=body, action=enums.action.CREATE)
+
+    def _admit(self, res: kmock.resource, obj: dict[str, Any]) -> dict[str, Any]:
+        """Default and validate a custom resource against its CRD schema, as the API server does.
+
+        CEL rules (x-kubernetes-validations) are not evaluated here; the operator re-checks them.
+        """
+        schema = self.schemas.get(res)
+        if schema is None:
+            return obj
+        defaulted = apply_schema_defaults(schema, obj)
+        errors = sorted(jsonschema.Draft4Validator(_plain_schema(schema)).iter_errors(
+            {k: v for k, v in defaulted.items() if k != "metadata"}), key=str)
+        if errors:
+            first = errors[0]
+            where = ".".join(str(p) for p in first.absolute_path)
+            raise kmock.KubernetesError(
+                status=422, reason="Invalid",
+                message=f'{self._kind(res)} "{obj.get("metadata", {}).get("name")}" is invalid: '
+                        f"{where}: {first.message}")
+        return defaulted
+
+    async def _after_write(self, request: rendering.Request) -> None:
+        res = request.resource
+        assert res is not None
+        if res.plural in WORKLOAD_PLURALS and self.readiness == "instant" \
+                and request.subresource != "status":
+            name = request.name or (request.data or {}).get("metadata", {}).get("name")
+            namespace = request.namespace or (request.data or {}).get(
+                "metadata", {}).get("namespace")
+            await self.set_workload_ready(res.plural, namespace, name)
+
+    async def _publish(self, key: Any, patch: dict[str, Any]) -> None:
+        async with self._lock:
+            self.objects[key].patch(patch)
+            await self._buses[key[0]].put({"type": "MODIFIED", "object": self.objects[key].raw})
+
+    async def set_workload_ready(self, plural: str, namespace: str | None, name: str,
+                                 ready: int | None = None) -> None:
+        """Report a Deployment/StatefulSet rolled out with `ready` (default: all) replicas."""
+        res = kmock.resource("apps", "v1", plural)
+        key = (res, namespace, name)
+        obj = self._stored(key)
+        if obj is None:
+            return
+        replicas = int(obj.get("spec", {}).get("replicas", 1))
+        count = replicas if ready is None else ready
+        status = {"observedGeneration": obj["metadata"].get("generation", 1),
+                  "replicas": replicas, "updatedReplicas": replicas,
+                  "readyReplicas": count, "availableReplicas": count}
+        if (obj.get("status") or {}) != status:
+            await self._publish(key, {"status": status})
+
+    async def set_workload_status(self, plural: str, namespace: str, name: str,
+                                  status: dict[str, Any]) -> None:
+        key = (kmock.resource("apps", "v1", plural), namespace, name)
+        if self._stored(key) is not None:
+            await self._publish(key, {"status": status})
+
+    async def _collect_garbage(self) -> None:
+        """Delete objects whose owners are all gone (foreground-less, like the GC controller)."""
+        while True:
+            alive = {obj.raw.get("metadata", {}).get("uid") for obj in self.objects.values()
+                     if not obj.deleted}
+            orphans = [
+                key for key, obj in self.objects.items() if not obj.deleted
+                and (refs := obj.raw.get("metadata", {}).get("ownerReferences"))
+                and all(ref.get("uid") not in alive for ref in refs)
+            ]
+            if not orphans:
+                return
+            async with self._lock:
+                for key in orphans:
+                    raw = self.objects[key].raw
+                    self.objects[key].delete()
+                    await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def _select(self, request: rendering.Request) -> list[dict[str, Any]]:
+        labels = request.params.get("labelSelector", "")
+        fields = request.params.get("fieldSelector", "")
+        found = []
+        for (res, namespace, name), obj in self.objects.items():
+            if obj.deleted or res != request.resource:
+                continue
+            if request.namespace is not None and namespace != request.namespace:
+                continue
+            if request.name is not None and name != request.name:
+                continue
+            raw = dict(obj.raw)
+            if _matches_labels(raw, labels) and _matches_fields(raw, fields):
+                found.append(raw)
+        return found
+
+    def _kind(self, res: kmock.resource) -> str:
+        info = self.resources.get(res) if res in self.resources else None
+        return (info.kind if info and info.kind else res.plural.capitalize())
+
+    def _api_version(self, res: kmock.resource) -> str:
+        return f"{res.group}/{res.version}" if res.group else res.version
+
+    async def _serve_filtered_list(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        assert res is not None
+        if res not in self._get_resources():
+            return await super()._handle(request)  # the 404 of an unknown resource
+        items = [{"apiVersion": self._api_version(res), "kind": self._kind(res), **obj}
+                 for obj in self._select(request)]
+        return aiohttp.web.json_response({
+            "apiVersion": self._api_version(res), "kind": f"{self._kind(res)}List",
+            "metadata": {"resourceVersion": str(next(self._versions))}, "items": items})
+
+    async def _stream_watch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """kmock's watch, served as JSON lines (kubectl rejects octet-stream)."""
+        assert request._raw_request is not None
+        labels = request.params.get("labelSelector", "")
+        fields = request.params.get("fieldSelector", "")
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request._raw_request)
+        events: AsyncIterator[Any] = self._serve_watch(request)
+        try:
+            async for event in events:
+                if not isinstance(event, dict):
+                    continue
+                obj = event.get("object") or {}
+                if _matches_labels(obj, labels) and _matches_fields(obj, fields):
+                    await response.write(json.dumps(event).encode() + b"\n")
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        return response
+
+    @staticmethod
+    def _wants_table(request: rendering.Request) -> bool:
+        return "as=Table" in request.headers.get("Accept", "")
+
+    async def _serve_table(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        res = request.resource
+        assert res is not None
+        columns = [{"name": "Name", "type": "string", "format": "name", "description": "",
+                    "priority": 0}] + [
+            {"name": c["name"], "type": c["type"], "format": c.get("format", ""),
+             "description": c.get("description", ""), "priority": c.get("priority", 0)}
+            for c in self.printer_columns[res]]
+        objs = self._select(request)
+        if request.action == enums.action.FETCH and not objs:
+            raise kmock.KubernetesObjectNotFoundError()
+        rows = []
+        for obj in objs:
+            cells: list[Any] = [obj["metadata"]["name"]]
+            for col in self.printer_columns[res]:
+                matches = jsonpath_parse(col["jsonPath"].lstrip(".")).find(obj)
+                value = matches[0].value if matches else None
+                cells.append(_age(value) if col["type"] == "date" and value else value)
+            rows.append({"cells": cells, "object": {
+                "kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                "metadata": obj["metadata"]}})
+        return aiohttp.web.json_response({
+            "kind": "Table", "apiVersion": "meta.k8s.io/v1",
+            "metadata": {"resourceVersion": str(next(self._versions))},
+            "columnDefinitions": columns, "rows": rows})
+
+    @override
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        payload = await super()._serve_version(request)
+        if isinstance(payload, dict):
+            if payload.get("groupVersion") == "/v1":
+                payload["groupVersion"] = "v1"  # kmock reports the core group as "/v1"
+            for entry in payload.get("resources", []):
+                if "/" in entry["name"]:  # subresources have no short names of their own
+                    entry["shortNames"], entry["categories"] = [], []
+        return payload
+
+    def openapi_v3_root(self) -> dict[str, Any]:
+        """Enough OpenAPI v3 for kubectl to find server-side field validation and use it."""
+        group_versions = {self._api_version(r) for r in self._get_resources()}
+        return {"paths": {
+            ("api/v1" if gv == "v1" else f"apis/{gv}"): {
+                "serverRelativeURL": "/openapi/v3/" + ("api/v1" if gv == "v1" else f"apis/{gv}")}
+            for gv in sorted(group_versions)}}
+
+    def openapi_v3_group(self, group_version: str) -> dict[str, Any]:
+        paths: dict[str, Any] = {}
+        for res in self._get_resources():
+            if self._api_version(res) != group_version:
+                continue
+            prefix = f"/apis/{group_version}" if res.group else "/api/v1"
+            gvk = {"group": res.group, "version": res.version, "kind": self._kind(res)}
+            params = [{"name": "fieldValidation", "in": "query", "schema": {"type": "string"}},
+                      {"name": "fieldManager", "in": "query", "schema": {"type": "string"}}]
+            operation = {"x-kubernetes-group-version-kind": gvk, "parameters": params,
+                         "responses": {"200": {"description": "OK"}}}
+            paths[f"{prefix}/namespaces/{{namespace}}/{res.plural}/{{name}}"] = {
+                "patch": operation}
+            paths[f"{prefix}/namespaces/{{namespace}}/{res.plural}"] = {"post": operation}
+        return {"openapi": "3.0.0", "info": {"title": "emulator", "version": "v1"},
+                "paths": paths, "components": {"schemas": {}}}

@@ -1,0 +1,304 @@
+"""The plan: every process of a DisaggServing with its command line, env, ports and config files.
+
+One plan feeds both the Kubernetes manifests (`render.py`) and a local process runner, so the two
+never drift. Only *addresses* differ between them, and those come from an `Addressing`.
+This module is pure: no I/O, no clock, no randomness.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from disagg_operator.quantity import parse_quantity
+from disagg_operator.spec import ConnectorName, DisaggServingSpec, RoleSpec
+
+CONFIG_DIR = "/etc/disagg"
+MOONCAKE_CONFIG_FILE = "mooncake.json"
+KVHELPER_CONNECTOR_MODULE = "kvhelper.connector"
+KVHELPER_CONNECTOR_CLASS = "MooncakeStoreConnector"
+VLLM_PORT = 8000
+ETCD_CLIENT_PORT = 2379
+ETCD_PEER_PORT = 2380
+
+VLLMRole = Literal["prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class PodIP:
+    """An env value: the address of the process's own host (pod IP, or loopback locally)."""
+
+
+@dataclass(frozen=True)
+class PodName:
+    """An env value: the process's own instance name (pod name)."""
+
+
+@dataclass(frozen=True)
+class SecretKey:
+    """An env value read from a Secret key; never rendered into args or logs."""
+
+    name: str
+    key: str
+
+
+EnvValue = str | PodIP | PodName | SecretKey
+
+
+@dataclass(frozen=True)
+class Process:
+    """One long-running process (a container in Kubernetes)."""
+
+    name: str
+    command: tuple[str, ...]
+    env: tuple[tuple[str, EnvValue], ...] = ()
+    ports: tuple[tuple[str, int], ...] = ()
+    health_path: str | None = None  # HTTP readiness path on the first port; None: TCP check
+
+
+@dataclass(frozen=True)
+class Component:
+    """A group of identical processes: a Deployment or StatefulSet in Kubernetes."""
+
+    role: str  # prefill, decode, proxy, mooncake-master, etcd
+    replicas: int
+    main: Process
+    sidecars: tuple[Process, ...] = ()
+    role_spec: RoleSpec | None = None  # placement and resources of vLLM roles
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    etcd_endpoints: tuple[str, ...]
+    etcd_managed: bool
+    registry_prefix: str
+    mooncake_master_address: str | None
+    config_files: dict[str, str] = field(default_factory=dict)  # file name -> content
+    components: tuple[Component, ...] = ()
+
+    def component(self, role: str) -> Component:
+        for comp in self.components:
+            if comp.role == role:
+                return comp
+        raise KeyError(role)
+
+
+class Addressing(Protocol):
+    """Where one component reaches another: Service DNS names in a cluster, loopback locally."""
+
+    def etcd_endpoints(self, name: str) -> tuple[str, ...]: ...
+    def mooncake_master(self, name: str, port: int) -> str: ...
+    def registration_url(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class ClusterAddressing:
+    namespace: str
+    cluster_domain: str = "cluster.local"
+
+    def service_host(self, service: str) -> str:
+        return f"{service}.{self.namespace}.svc.{self.cluster_domain}"
+
+    def etcd_endpoints(self, name: str) -> tuple[str, ...]:
+        return (f"{self.service_host(f'{name}-etcd-client')}:{ETCD_CLIENT_PORT}",)
+
+    def mooncake_master(self, name: str, port: int) -> str:
+        return f"{self.service_host(f'{name}-mooncake-master')}:{port}"
+
+    def registration_url(self) -> str:
+        # Expanded by Kubernetes from the POD_IP env var declared before it.
+        return f"http://$(POD_IP):{VLLM_PORT}"
+
+
+def build_plan(name: str, namespace: str, spec: DisaggServingSpec,
+               addressing: Addressing) -> Plan:
+    etcd_managed = spec.etcd.mode == "Managed"
+    etcd_endpoints = (addressing.etcd_endpoints(name) if etcd_managed
+                      else tuple(spec.etcd.endpoints))
+    uses_store = spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE
+    master = (addressing.mooncake_master(name, spec.mooncake_master.port)
+              if uses_store else None)
+    # Namespaced, so that DisaggServings sharing an external etcd never see each other.
+    registry_prefix = f"/disagg/{namespace}/{name}/instances/"
+    config_files: dict[str, str] = {}
+    if uses_store and master is not None:
+        config_files[MOONCAKE_CONFIG_FILE] = mooncake_config_json(spec, master, etcd_endpoints)
+
+    components: list[Component] = []
+    if etcd_managed:
+        components.append(_etcd_component(name))
+    if uses_store:
+        components.append(_mooncake_master_component(spec))
+    for role in ("prefill", "decode"):
+        components.append(_vllm_component(role, spec, etcd_endpoints, registry_prefix,
+                                          addressing))
+    components.append(_proxy_component(spec, etcd_endpoints, registry_prefix))
+    return Plan(name=name, etcd_endpoints=etcd_endpoints, etcd_managed=etcd_managed,
+                registry_prefix=registry_prefix, mooncake_master_address=master,
+                config_files=config_files, components=tuple(components))
+
+
+def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, object]:
+    """vLLM's --kv-transfer-config for one role; the only place that decides it."""
+    connector = spec.kv_transfer.connector
+    extra: dict[str, object] = {}
+    if connector == ConnectorName.MOONCAKE_STORE:
+        extra["mooncake_config_path"] = f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"
+    extra.update(spec.kv_transfer.extra_config)
+    if connector == ConnectorName.NIXL:
+        kv_role = "kv_both"  # NIXL pulls from either side; vLLM documents kv_both for it
+    else:
+        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+    config: dict[str, object] = {"kv_connector": str(connector.value), "kv_role": kv_role}
+    if connector == ConnectorName.MOONCAKE_STORE:
+        config["kv_connector"] = KVHELPER_CONNECTOR_CLASS
+        config["kv_connector_module_path"] = KVHELPER_CONNECTOR_MODULE
+    if extra:
+        config["kv_connector_extra_config"] = extra
+    return config
+
+
+def mooncake_config_json(spec: DisaggServingSpec, master: str,
+                         etcd_endpoints: tuple[str, ...]) -> str:
+    mooncake = spec.kv_transfer.mooncake
+    metadata = ("P2PHANDSHAKE" if mooncake.metadata_backend == "P2PHANDSHAKE"
+                else "etcd://" + ",".join(etcd_endpoints))
+    config = {
+        "metadata_server": metadata,
+        "master_server_address": master,
+        "protocol": mooncake.protocol,
+        "device_name": mooncake.devices,
+        "global_segment_size": parse_quantity(mooncake.global_segment_size),
+        "local_buffer_size": parse_quantity(mooncake.local_buffer_size),
+    }
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
+
+
+def vllm_args(role: VLLMRole, spec: DisaggServingSpec) -> tuple[str, ...]:
+    model = spec.model
+    role_spec: RoleSpec = getattr(spec, role)
+    args = [
+        "python3", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model.name,
+        "--host", "0.0.0.0",
+        "--port", str(VLLM_PORT),
+        "--served-model-name", model.served_model_name or model.name,
+        "--dtype", model.dtype,
+        "--block-size", str(model.block_size),
+        "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
+        "--gpu-memory-utilization", str(role_spec.gpu_memory_utilization),
+    ]
+    if model.revision:
+        args += ["--revision", model.revision]
+    if model.trust_remote_code:
+        args.append("--trust-remote-code")
+    if model.max_model_len:
+        args += ["--max-model-len", str(model.max_model_len)]
+    args += ["--kv-transfer-config",
+             json.dumps(kv_transfer_config(role, spec), sort_keys=True, separators=(",", ":"))]
+    args += role_spec.extra_args
+    return tuple(args)
+
+
+def compatibility_labels(spec: DisaggServingSpec) -> dict[str, str]:
+    """What prefill and decode must share for KV pages to be interchangeable."""
+    return {
+        "model": spec.model.name,
+        "revision": spec.model.revision or "",
+        "dtype": spec.model.dtype,
+        "blockSize": str(spec.model.block_size),
+        "connector": spec.kv_transfer.connector.value,
+    }
+
+
+def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
+                    etcd_endpoints: tuple[str, ...], registry_prefix: str,
+                    addressing: Addressing) -> Component:
+    role_spec: RoleSpec = getattr(spec, role)
+    env: list[tuple[str, EnvValue]] = [
+        ("POD_IP", PodIP()),
+        ("HF_HOME", spec.model.cache.mount_path),
+        # vLLM hashes blocks with sha256 by default; a shared seed keeps xxhash (if chosen
+        # through extraArgs) identical across instances too.
+        ("PYTHONHASHSEED", "0"),
+    ]
+    if spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE:
+        env += [("MOONCAKE_CONFIG_PATH", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"),
+                ("MOONCAKE_LOCAL_HOSTNAME", PodIP())]
+    if spec.hf_token_secret is not None:
+        env.append(("HF_TOKEN", SecretKey(spec.hf_token_secret.name, spec.hf_token_secret.key)))
+    main = Process(name="vllm", command=vllm_args(role, spec), env=tuple(env),
+                   ports=(("http", VLLM_PORT),), health_path="/health")
+    registrar = Process(
+        name="registrar",
+        command=(
+            "python3", "-m", "kvhelper.registry",
+            "--role", role,
+            "--url", addressing.registration_url(),
+            "--health-url", f"http://127.0.0.1:{VLLM_PORT}/health",
+            "--model", spec.model.served_model_name or spec.model.name,
+            "--etcd", ",".join(etcd_endpoints),
+            "--prefix", registry_prefix,
+        ),
+        env=(("POD_IP", PodIP()),),
+    )
+    return Component(role=role, replicas=role_spec.replicas, main=main,
+                     sidecars=(registrar,), role_spec=role_spec)
+
+
+def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
+                     registry_prefix: str) -> Component:
+    port = spec.proxy.service.port
+    main = Process(
+        name="proxy",
+        command=("python3", "-m", "kvhelper.proxy",
+                 "--host", "0.0.0.0", "--port", str(port),
+                 "--routing", spec.proxy.routing,
+                 "--etcd", ",".join(etcd_endpoints),
+                 "--prefix", registry_prefix),
+        ports=(("http", port),),
+        health_path="/health",
+    )
+    return Component(role="proxy", replicas=spec.proxy.replicas, main=main)
+
+
+def _mooncake_master_component(spec: DisaggServingSpec) -> Component:
+    master = spec.mooncake_master
+    main = Process(
+        name="mooncake-master",
+        command=("mooncake_master",
+                 "--rpc_address=0.0.0.0",
+                 f"--rpc_port={master.port}",
+                 f"--metrics_port={master.metrics_port}",
+                 f"--client_ttl={master.client_ttl_seconds}",
+                 f"--eviction_high_watermark_ratio={master.eviction.high_watermark_ratio}",
+                 f"--eviction_ratio={master.eviction.ratio}"),
+        ports=(("rpc", master.port), ("metrics", master.metrics_port)),
+        health_path=None,
+    )
+    # One master: Mooncake keeps objects in the master's memory, and two would split the store.
+    return Component(role="mooncake-master", replicas=1, main=main)
+
+
+def _etcd_component(name: str) -> Component:
+    peer_service = f"{name}-etcd"
+    main = Process(
+        name="etcd",
+        command=(
+            "etcd",
+            "--name=$(POD_NAME)",
+            "--data-dir=/var/lib/etcd",
+            f"--listen-client-urls=http://0.0.0.0:{ETCD_CLIENT_PORT}",
+            f"--advertise-client-urls=http://$(POD_NAME).{peer_service}:{ETCD_CLIENT_PORT}",
+            f"--listen-peer-urls=http://0.0.0.0:{ETCD_PEER_PORT}",
+            f"--initial-advertise-peer-urls=http://$(POD_NAME).{peer_service}:{ETCD_PEER_PORT}",
+            f"--initial-cluster=$(POD_NAME)=http://$(POD_NAME).{peer_service}:{ETCD_PEER_PORT}",
+            "--initial-cluster-state=new",
+        ),
+        env=(("POD_NAME", PodName()),),
+        ports=(("client", ETCD_CLIENT_PORT), ("peer", ETCD_PEER_PORT)),
+        health_path="/health",
+    )
+    return Component(role="etcd", replicas=1, main=main)

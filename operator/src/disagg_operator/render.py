@@ -1,0 +1,335 @@
+"""Render: a DisaggServing spec into the Kubernetes objects that should exist. Pure, golden-tested.
+
+Every object carries the standard `app.kubernetes.io/*` labels and a controller ownerReference
+to the DisaggServing, so Kubernetes garbage-collects them with it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from disagg_operator import plan as plans
+from disagg_operator.spec import GROUP, KIND, VERSION, DisaggServingSpec, RoleSpec
+
+MANAGED_BY = "disagg-operator"
+PART_OF = "disagg-serving"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+ANNOTATION_COMPAT = "serving.disagg.dev/compatibility"
+GPU_RESOURCE = "nvidia.com/gpu"
+NONROOT_UID = 1000
+
+Manifest = dict[str, Any]
+
+_APP_NAMES = {"prefill": "vllm", "decode": "vllm", "proxy": "disagg-proxy",
+              "mooncake-master": "mooncake-master", "etcd": "etcd"}
+
+
+@dataclass(frozen=True)
+class Owner:
+    name: str
+    namespace: str
+    uid: str
+
+    def reference(self) -> dict[str, Any]:
+        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name,
+                "uid": self.uid, "controller": True, "blockOwnerDeletion": True}
+
+
+def selector_labels(owner_name: str, role: str) -> dict[str, str]:
+    """Immutable Deployment/StatefulSet selectors: never add to these."""
+    return {LABEL_INSTANCE: owner_name, LABEL_COMPONENT: role}
+
+
+def owned_labels(owner_name: str) -> dict[str, str]:
+    """The labels that find every child of one DisaggServing."""
+    return {LABEL_INSTANCE: owner_name, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def _labels(owner_name: str, role: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": _APP_NAMES.get(role, role),
+        **selector_labels(owner_name, role),
+        "app.kubernetes.io/part-of": PART_OF,
+        LABEL_MANAGED_BY: MANAGED_BY,
+    }
+
+
+def _meta(owner: Owner, name: str, role: str) -> dict[str, Any]:
+    return {"name": name, "namespace": owner.namespace, "labels": _labels(owner.name, role),
+            "ownerReferences": [owner.reference()]}
+
+
+def render(owner: Owner, spec: DisaggServingSpec, default_image: str,
+           cluster_domain: str = "cluster.local") -> list[Manifest]:
+    """All desired children, in apply order (config and dependencies first)."""
+    addressing = plans.ClusterAddressing(owner.namespace, cluster_domain)
+    plan = plans.build_plan(owner.name, owner.namespace, spec, addressing)
+    image = spec.image or default_image
+    objects: list[Manifest] = []
+    if plan.config_files:
+        objects.append({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": _meta(owner, f"{owner.name}-config", "config"),
+            "data": dict(sorted(plan.config_files.items())),
+        })
+    for component in plan.components:
+        objects.extend(_render_component(owner, spec, plan, component, image))
+    return objects
+
+
+def _render_component(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
+                      component: plans.Component, image: str) -> list[Manifest]:
+    name = f"{owner.name}-{component.role}"
+    if component.role == "etcd":
+        return _render_etcd(owner, spec, component)
+    pod = _pod_template(owner, spec, plan, component, image)
+    workload = {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": _meta(owner, name, component.role),
+        "spec": {
+            "replicas": component.replicas,
+            "selector": {"matchLabels": selector_labels(owner.name, component.role)},
+            "template": pod,
+        },
+    }
+    if component.role in ("prefill", "decode"):
+        # Instances find each other through etcd; a headless Service gives them stable DNS.
+        service = _service(owner, name, component, headless=True)
+    elif component.role == "proxy":
+        service = _service(owner, name, component, headless=False,
+                           service_type=spec.proxy.service.type)
+    else:
+        service = _service(owner, name, component, headless=False)
+    return [workload, service]
+
+
+def _service(owner: Owner, name: str, component: plans.Component, *, headless: bool,
+             service_type: str = "ClusterIP") -> Manifest:
+    service_spec: dict[str, Any] = {
+        "selector": selector_labels(owner.name, component.role),
+        "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
+                  for port_name, port in component.main.ports],
+    }
+    if headless:
+        service_spec["clusterIP"] = "None"
+        service_spec["publishNotReadyAddresses"] = False
+    else:
+        service_spec["type"] = service_type
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _meta(owner, name, component.role), "spec": service_spec}
+
+
+def _env(process: plans.Process, extra: list[dict[str, Any]] | None = None) -> list[Any]:
+    env: list[dict[str, Any]] = []
+    for key, value in process.env:
+        if isinstance(value, plans.PodIP):
+            env.append({"name": key, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+        elif isinstance(value, plans.PodName):
+            env.append({"name": key, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}})
+        elif isinstance(value, plans.SecretKey):
+            env.append({"name": key, "valueFrom": {"secretKeyRef": {
+                "name": value.name, "key": value.key}}})
+        else:
+            env.append({"name": key, "value": value})
+    return env + list(extra or [])
+
+
+def _probe(process: plans.Process, *, period: int, failures: int) -> dict[str, Any]:
+    port_name = process.ports[0][0]
+    action: dict[str, Any] = ({"httpGet": {"path": process.health_path, "port": port_name}}
+                              if process.health_path else {"tcpSocket": {"port": port_name}})
+    return {**action, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def _container_security(*, read_only: bool, add_caps: tuple[str, ...] = ()) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if add_caps:
+        caps["add"] = list(add_caps)
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": read_only,
+            "capabilities": caps}
+
+
+def _container(process: plans.Process, image: str, pull_policy: str,
+               security: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": process.name,
+        "image": image,
+        "imagePullPolicy": pull_policy,
+        "command": list(process.command[:1]),
+        "args": list(process.command[1:]),
+        "env": _env(process),
+        "securityContext": security,
+    }
+    if process.ports:
+        container["ports"] = [{"name": n, "containerPort": p, "protocol": "TCP"}
+                              for n, p in process.ports]
+    return container
+
+
+def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
+                  component: plans.Component, image: str) -> dict[str, Any]:
+    role = component.role
+    is_vllm = component.role_spec is not None
+    rdma = spec.kv_transfer.mooncake.protocol == "rdma"
+    main = _container(component.main, image, spec.image_pull_policy, _container_security(
+        # vLLM and torch write compile caches under the home directory.
+        read_only=not is_vllm, add_caps=("IPC_LOCK",) if is_vllm and rdma else ()))
+    volumes: list[dict[str, Any]] = []
+    annotations: dict[str, str] = {}
+    if component.main.ports:
+        main["readinessProbe"] = _probe(component.main, period=5, failures=3)
+        main["livenessProbe"] = _probe(component.main, period=15, failures=4)
+    containers = [main]
+    if is_vllm:
+        role_spec = component.role_spec
+        assert role_spec is not None
+        # Loading weights can take many minutes: the startup probe holds liveness off until then.
+        main["startupProbe"] = _probe(component.main, period=10, failures=180)
+        main["env"] += list(role_spec.env or [])
+        main["resources"] = _vllm_resources(role_spec)
+        main["volumeMounts"] = [
+            {"name": "model-cache", "mountPath": spec.model.cache.mount_path},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ]
+        volumes += [_model_cache_volume(spec), {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+        if plan.config_files:
+            main["volumeMounts"].append({"name": "config", "mountPath": plans.CONFIG_DIR,
+                                         "readOnly": True})
+            volumes.append({"name": "config", "configMap": {"name": f"{owner.name}-config"}})
+        for sidecar in component.sidecars:
+            side = _container(sidecar, image, spec.image_pull_policy,
+                              _container_security(read_only=True))
+            side["resources"] = {"requests": {"cpu": "10m", "memory": "64Mi"},
+                                 "limits": {"memory": "128Mi"}}
+            containers.append(side)
+        compat = plans.compatibility_labels(spec)
+        annotations[ANNOTATION_COMPAT] = ",".join(f"{k}={v}" for k, v in compat.items())
+    elif role == "proxy" and spec.proxy.resources:
+        main["resources"] = copy.deepcopy(spec.proxy.resources)
+    elif role == "mooncake-master" and spec.mooncake_master.resources:
+        main["resources"] = copy.deepcopy(spec.mooncake_master.resources)
+
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": NONROOT_UID,
+                            "runAsGroup": NONROOT_UID, "fsGroup": NONROOT_UID,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": containers,
+    }
+    if volumes:
+        pod_spec["volumes"] = volumes
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
+    if is_vllm:
+        role_spec = component.role_spec
+        assert role_spec is not None
+        _place(pod_spec, role_spec)
+    template: dict[str, Any] = {"metadata": {"labels": _labels(owner.name, role)},
+                                "spec": pod_spec}
+    if annotations:
+        template["metadata"]["annotations"] = annotations
+    if is_vllm and component.role_spec and component.role_spec.pod_template:
+        template = merge_pod_template(template, component.role_spec.pod_template)
+    return template
+
+
+def _vllm_resources(role_spec: RoleSpec) -> dict[str, Any]:
+    if role_spec.resources:
+        return copy.deepcopy(role_spec.resources)
+    gpus = role_spec.tensor_parallel_size
+    return {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}}
+
+
+def _model_cache_volume(spec: DisaggServingSpec) -> dict[str, Any]:
+    cache = spec.model.cache
+    if cache.pvc_claim_name:
+        return {"name": "model-cache",
+                "persistentVolumeClaim": {"claimName": cache.pvc_claim_name}}
+    empty: dict[str, Any] = {}
+    if cache.empty_dir_size_limit is not None:
+        empty["sizeLimit"] = cache.empty_dir_size_limit
+    return {"name": "model-cache", "emptyDir": empty}
+
+
+def _place(pod_spec: dict[str, Any], role_spec: RoleSpec) -> None:
+    if role_spec.node_selector:
+        pod_spec["nodeSelector"] = dict(role_spec.node_selector)
+    if role_spec.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(role_spec.tolerations)
+    if role_spec.affinity:
+        pod_spec["affinity"] = copy.deepcopy(role_spec.affinity)
+
+
+def _render_etcd(owner: Owner, spec: DisaggServingSpec,
+                 component: plans.Component) -> list[Manifest]:
+    name = f"{owner.name}-etcd"
+    etcd = spec.etcd
+    main = _container(component.main, etcd.image, spec.image_pull_policy,
+                      _container_security(read_only=True))
+    main["volumeMounts"] = [{"name": "data", "mountPath": "/var/lib/etcd"}]
+    main["readinessProbe"] = _probe(component.main, period=5, failures=3)
+    main["livenessProbe"] = _probe(component.main, period=15, failures=4)
+    if etcd.resources:
+        main["resources"] = copy.deepcopy(etcd.resources)
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
+                            "fsGroup": 65532, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [main],
+    }
+    sts_spec: dict[str, Any] = {
+        "replicas": component.replicas,
+        "serviceName": name,
+        "selector": {"matchLabels": selector_labels(owner.name, "etcd")},
+        "template": {"metadata": {"labels": _labels(owner.name, "etcd")}, "spec": pod_spec},
+    }
+    if etcd.storage_size is not None:
+        sts_spec["volumeClaimTemplates"] = [{
+            "metadata": {"name": "data"},
+            "spec": {"accessModes": ["ReadWriteOnce"],
+                     "resources": {"requests": {"storage": etcd.storage_size}}},
+        }]
+    else:
+        pod_spec["volumes"] = [{"name": "data", "emptyDir": {}}]
+    statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet",
+                   "metadata": _meta(owner, name, "etcd"), "spec": sts_spec}
+    peers = _service(owner, name, component, headless=True)
+    peers["spec"]["publishNotReadyAddresses"] = True  # members must find each other to start
+    client = _service(owner, f"{name}-client", component, headless=False)
+    client["spec"]["ports"] = [p for p in client["spec"]["ports"] if p["name"] == "client"]
+    return [statefulset, peers, client]
+
+
+def merge_pod_template(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Merge a partial PodTemplateSpec over `base` like a strategic merge patch.
+
+    Maps merge recursively; lists of named items (containers, env, volumes, volumeMounts, ports)
+    merge by name; other lists are replaced.
+    """
+    result = copy.deepcopy(base)
+    for key, value in override.items():
+        current = result.get(key)
+        if isinstance(current, dict) and isinstance(value, dict):
+            result[key] = merge_pod_template(current, value)
+        elif isinstance(current, list) and isinstance(value, list) and _named(current + value):
+            by_name = {item["name"]: item for item in current}
+            for item in value:
+                if item["name"] in by_name:
+                    by_name[item["name"]] = merge_pod_template(by_name[item["name"]], item)
+                else:
+                    by_name[item["name"]] = copy.deepcopy(item)
+            result[key] = list(by_name.values())
+        else:
+            result[key] = copy.deepcopy(value)
+    return result
+
+
+def _named(items: list[Any]) -> bool:
+    return bool(items) and all(isinstance(i, dict) and "name" in i for i in items)

@@ -1,0 +1,317 @@
+"""The DisaggServing spec as typed models: the single source of the CRD schema and its defaults.
+
+`crd.py` turns these models into the CRD's structural OpenAPI schema, so a default or a
+constraint written here is what the API server applies too. Cross-field rules that the API
+server enforces with CEL are declared next to the model they constrain (`cel_rules`) and are
+also checked here, so an API server without CEL (or the emulator) cannot let them through.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+from disagg_operator.quantity import parse_quantity
+
+GROUP = "serving.disagg.dev"
+VERSION = "v1alpha1"
+KIND = "DisaggServing"
+PLURAL = "disaggservings"
+SINGULAR = "disaggserving"
+SHORT_NAMES = ["dsv"]
+# Child names append at most 16 characters ("-mooncake-master") and must stay DNS labels (63).
+MAX_NAME_LENGTH = 47
+
+# vLLM's CacheConfig accepts these block sizes (tokens per KV page).
+VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+class CelRule(BaseModel):
+    """One `x-kubernetes-validations` entry: the API server rejects objects where `rule` is false."""
+
+    rule: str
+    message: str
+    field_path: str | None = None
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+    )
+    # CEL rules attached to this object's schema; mirrored by a model_validator.
+    cel_rules: ClassVar[tuple[CelRule, ...]] = ()
+
+
+def _obj(description: str) -> Any:
+    """A nested object that defaults to `{}` so that its own defaults apply."""
+    return Field(default=None, description=description, json_schema_extra={"default": {}})
+
+
+# Kubernetes types that we pass through unchanged; the API server validates them in the workload.
+_K8S_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+_K8S_LIST = {"type": "array", "items": _K8S_OBJECT}
+
+
+def _passthrough(description: str, schema: dict[str, Any]) -> Any:
+    return Field(default=None, description=description,
+                 json_schema_extra={"x-k8s-schema": schema})
+
+
+class ConnectorName(StrEnum):
+    MOONCAKE_STORE = "MooncakeStore"
+    P2P_NCCL = "P2pNcclConnector"
+    NIXL = "NixlConnector"
+    MOONCAKE = "MooncakeConnector"
+
+
+class ModelCacheSpec(_Model):
+    """Where model weights are cached in the vLLM pods (HF_HOME)."""
+
+    pvc_claim_name: str | None = Field(
+        default=None, alias="pvcClaimName",
+        description="Existing PersistentVolumeClaim to cache weights in (shared ReadWriteMany "
+                    "or ReadOnlyMany). Default: an emptyDir per pod.")
+    empty_dir_size_limit: str | int | None = Field(
+        default=None, alias="emptyDirSizeLimit",
+        description="sizeLimit of the per-pod emptyDir when no PVC is given, e.g. 100Gi.",
+        json_schema_extra={"x-kubernetes-int-or-string": True})
+    mount_path: str = Field(default="/models", description="Mount path of the cache; HF_HOME.")
+
+    cel_rules = (CelRule(
+        rule="!(has(self.pvcClaimName) && has(self.emptyDirSizeLimit))",
+        message="set either model.cache.pvcClaimName or model.cache.emptyDirSizeLimit, not both"),)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelCacheSpec:
+        if self.pvc_claim_name and self.empty_dir_size_limit:
+            raise ValueError(self.cel_rules[0].message)
+        return self
+
+
+class ModelSpec(_Model):
+    name: str = Field(min_length=1, description="Hugging Face model id or a path in the image.")
+    served_model_name: str | None = Field(
+        default=None, description="Name clients use; default: model.name.")
+    revision: str | None = Field(default=None, description="Model revision (branch, tag, commit).")
+    trust_remote_code: bool = Field(default=False, description="Pass --trust-remote-code.")
+    max_model_len: int | None = Field(default=None, ge=1, description="Context length limit.")
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
+        default="auto", description="Weights and activations dtype, same for prefill and decode.")
+    block_size: Literal[1, 8, 16, 32, 64, 128, 256] = Field(
+        default=16, description="KV page size in tokens; prefill and decode always share it.")
+    cache: ModelCacheSpec = _obj("Weight cache volume.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_objects(cls, data: Any) -> Any:
+        return _fill_object_defaults(cls, data)
+
+
+class SecretKeyRef(_Model):
+    name: str = Field(min_length=1, description="Secret name in the DisaggServing's namespace.")
+    key: str = Field(default="token", min_length=1, description="Key inside the Secret.")
+
+
+class LocalObjectReference(_Model):
+    name: str = Field(min_length=1)
+
+
+class MooncakeSpec(_Model):
+    protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="Transfer protocol.")
+    global_segment_size: str | int = Field(
+        default="4Gi", description="Memory each vLLM pod contributes to the store.",
+        json_schema_extra={"x-kubernetes-int-or-string": True})
+    local_buffer_size: str | int = Field(
+        default="1Gi", description="Per-pod registered transfer buffer.",
+        json_schema_extra={"x-kubernetes-int-or-string": True})
+    devices: str = Field(default="", description="RDMA devices, e.g. mlx5_0,mlx5_1 (rdma only).")
+    metadata_backend: Literal["etcd", "P2PHANDSHAKE"] = Field(
+        default="etcd", description="Transfer-engine metadata: the DisaggServing's etcd, or "
+                                    "peer-to-peer handshakes (no metadata server).")
+
+    @model_validator(mode="after")
+    def _sizes_parse(self) -> MooncakeSpec:
+        for field, value in (("globalSegmentSize", self.global_segment_size),
+                             ("localBufferSize", self.local_buffer_size)):
+            try:
+                if parse_quantity(value) <= 0:
+                    raise ValueError("must be positive")
+            except ValueError as err:
+                raise ValueError(
+                    f"kvTransfer.mooncake.{field}={value!r} is not a positive size "
+                    f"(use a Kubernetes quantity such as 4Gi): {err}") from None
+        return self
+
+
+class KVTransferSpec(_Model):
+    connector: ConnectorName = Field(
+        default=ConnectorName.MOONCAKE_STORE,
+        description="MooncakeStore is the kvhelper connector; the others are vLLM's own, "
+                    "passed through unchanged.")
+    mooncake: MooncakeSpec = _obj("Mooncake store settings (MooncakeStore connector).")
+    extra_config: dict[str, Any] = Field(
+        default_factory=dict, description="Merged into kv_connector_extra_config.",
+        json_schema_extra={"x-k8s-schema": _K8S_OBJECT})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_objects(cls, data: Any) -> Any:
+        return _fill_object_defaults(cls, data)
+
+
+class RoleSpec(_Model):
+    """A vLLM role (prefill or decode)."""
+
+    replicas: int = Field(default=1, ge=0, description="Number of vLLM instances.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="GPUs per instance.")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    resources: dict[str, Any] | None = _passthrough(
+        "Container resources; default: nvidia.com/gpu = tensorParallelSize.", _K8S_OBJECT)
+    node_selector: dict[str, str] | None = Field(default=None)
+    tolerations: list[dict[str, Any]] | None = _passthrough("Pod tolerations.", _K8S_LIST)
+    affinity: dict[str, Any] | None = _passthrough("Pod affinity.", _K8S_OBJECT)
+    env: list[dict[str, Any]] | None = _passthrough("Extra container env vars.", _K8S_LIST)
+    extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI arguments.")
+    pod_template: dict[str, Any] | None = _passthrough(
+        "A partial PodTemplateSpec merged over the rendered one (containers merged by name).",
+        _K8S_OBJECT)
+
+
+class ServiceSpec(_Model):
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(default=8000, ge=1, le=65535)
+
+
+class ProxySpec(_Model):
+    replicas: int = Field(default=1, ge=0)
+    routing: Literal["round-robin", "least-outstanding"] = Field(
+        default="round-robin", description="How each phase picks an instance.")
+    service: ServiceSpec = _obj("The client-facing Service.")
+    resources: dict[str, Any] | None = _passthrough("Proxy container resources.", _K8S_OBJECT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_objects(cls, data: Any) -> Any:
+        return _fill_object_defaults(cls, data)
+
+
+class EtcdSpec(_Model):
+    mode: Literal["Managed", "External"] = Field(
+        default="Managed", description="Managed: the operator runs etcd; External: use endpoints.")
+    endpoints: list[str] = Field(
+        default_factory=list, description="host:port of an external etcd (mode External).")
+    image: str = Field(default="quay.io/coreos/etcd:v3.5.17", description="Managed etcd image.")
+    storage_size: str | int | None = Field(
+        default=None, description="Managed etcd data PVC size; default: an emptyDir.",
+        json_schema_extra={"x-kubernetes-int-or-string": True})
+    resources: dict[str, Any] | None = _passthrough("Managed etcd resources.", _K8S_OBJECT)
+
+    cel_rules = (CelRule(
+        rule="self.mode != 'External' || size(self.endpoints) > 0",
+        message="etcd.endpoints must list at least one host:port when etcd.mode is External",
+        field_path=".endpoints"),)
+
+    @model_validator(mode="after")
+    def _external_needs_endpoints(self) -> EtcdSpec:
+        if self.mode == "External" and not self.endpoints:
+            raise ValueError(self.cel_rules[0].message)
+        return self
+
+
+class EvictionSpec(_Model):
+    high_watermark_ratio: float = Field(
+        default=0.95, gt=0, le=1, description="Store usage that starts eviction.")
+    ratio: float = Field(default=0.05, gt=0, le=1, description="Share evicted per round.")
+
+
+class MooncakeMasterSpec(_Model):
+    port: int = Field(default=50051, ge=1, le=65535, description="RPC port.")
+    metrics_port: int = Field(default=9003, ge=1, le=65535)
+    client_ttl_seconds: int = Field(
+        default=10, ge=1, description="A dead client's segment is dropped after this.")
+    eviction: EvictionSpec = _obj("Store eviction.")
+    resources: dict[str, Any] | None = _passthrough("Master container resources.", _K8S_OBJECT)
+
+    cel_rules = (CelRule(rule="self.port != self.metricsPort",
+                         message="mooncakeMaster.port and metricsPort must differ"),)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_objects(cls, data: Any) -> Any:
+        return _fill_object_defaults(cls, data)
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> MooncakeMasterSpec:
+        if self.port == self.metrics_port:
+            raise ValueError(self.cel_rules[0].message)
+        return self
+
+
+class DisaggServingSpec(_Model):
+    model: ModelSpec
+    image: str | None = Field(
+        default=None, description="Serving image (vLLM + kvhelper); default: the operator's.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    hf_token_secret: SecretKeyRef | None = Field(
+        default=None, description="Secret holding a Hugging Face token (exposed as HF_TOKEN).")
+    kv_transfer: KVTransferSpec = _obj("How KV moves from prefill to decode.")
+    prefill: RoleSpec = _obj("Prefill instances (kv_producer).")
+    decode: RoleSpec = _obj("Decode instances (kv_consumer).")
+    proxy: ProxySpec = _obj("The XpYd proxy: the client entry point.")
+    etcd: EtcdSpec = _obj("Metadata and registry store.")
+    mooncake_master: MooncakeMasterSpec = _obj("The Mooncake store master (MooncakeStore).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_objects(cls, data: Any) -> Any:
+        return _fill_object_defaults(cls, data)
+
+
+def _fill_object_defaults(cls: type[BaseModel], data: Any) -> Any:
+    """Apply `default: {}` to absent nested objects, as the API server's defaulting does."""
+    if not isinstance(data, dict):
+        return data
+    filled = dict(data)
+    for name, field in cls.model_fields.items():
+        extra = field.json_schema_extra
+        key = field.alias or name
+        if isinstance(extra, dict) and extra.get("default") == {} and filled.get(key) is None \
+                and filled.get(name) is None:
+            filled[key] = {}
+    return filled
+
+
+class InvalidSpecError(ValueError):
+    """The spec cannot be served; `field` names where, `message` says what to change."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"spec.{field}: {message}" if field else message)
+        self.field = field
+        self.message = message
+
+
+def parse_spec(raw: dict[str, Any] | None) -> DisaggServingSpec:
+    """Validate a raw spec; raise InvalidSpecError naming the first bad field."""
+    try:
+        return DisaggServingSpec.model_validate(raw or {})
+    except ValidationError as err:
+        first = err.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise InvalidSpecError(where, _humanize(first)) from None
+
+
+def _humanize(error: Any) -> str:
+    msg = str(error["msg"])
+    if error["type"] == "extra_forbidden":
+        return "unknown field; check its spelling against `kubectl explain disaggserving.spec`"
+    if error["type"] == "missing":
+        return "is required"
+    return msg.removeprefix("Value error, ")

@@ -1,0 +1,210 @@
+"""Status: observed children (and etcd health) into the DisaggServing's status. Pure.
+
+Conditions follow the Kubernetes API conventions: `type`, `status`, `reason`, `message`,
+`observedGeneration`, `lastTransitionTime`; the time only moves when `status` changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from disagg_operator.etcd_health import EtcdHealth
+from disagg_operator.render import Manifest
+
+READY = "Ready"
+PROGRESSING = "Progressing"
+DEGRADED = "Degraded"
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+# The roles a client request needs; each must have at least one ready instance.
+SERVING_ROLES = ("prefill", "decode", "proxy")
+
+
+@dataclass(frozen=True)
+class WorkloadState:
+    role: str
+    desired: int
+    ready: int
+    updated: int
+    rolled_out: bool  # the workload controller has seen the latest spec and finished
+    failure: str | None  # why the workload controller reports it stuck, if it does
+
+    @property
+    def summary(self) -> str:
+        return f"{self.ready}/{self.desired}"
+
+    @property
+    def is_ready(self) -> bool:
+        return self.rolled_out and self.ready >= self.desired
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything the status step needs, gathered by the reconciler."""
+
+    generation: int
+    desired: list[Manifest]
+    observed: dict[tuple[str, str], Manifest]  # (kind, name) -> live object
+    etcd_mode: str
+    etcd_endpoints: tuple[str, ...]
+    etcd_health: EtcdHealth | None
+    endpoint: str
+    apply_error: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def workload_state(desired: Manifest, live: Manifest | None) -> WorkloadState:
+    role = desired["metadata"]["labels"]["app.kubernetes.io/component"]
+    replicas = int(desired["spec"].get("replicas", 1))
+    if live is None:
+        return WorkloadState(role, replicas, 0, 0, rolled_out=False, failure=None)
+    status = live.get("status") or {}
+    generation = live.get("metadata", {}).get("generation")
+    observed_generation = status.get("observedGeneration")
+    seen_latest = generation is None or (observed_generation or 0) >= generation
+    ready = int(status.get("readyReplicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    total = int(status.get("replicas") or 0)
+    rolled_out = seen_latest and updated >= replicas and total <= replicas
+    failure = None
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            failure = cond.get("message") or "progress deadline exceeded"
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            failure = cond.get("message") or "replica failure"
+    return WorkloadState(role, replicas, min(ready, replicas) if rolled_out else ready,
+                         updated, rolled_out, failure)
+
+
+def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict[str, Any]:
+    """The full status to store; `previous` supplies lastTransitionTime continuity."""
+    workloads = [workload_state(d, obs.observed.get((d["kind"], d["metadata"]["name"])))
+                 for d in obs.desired if d["kind"] in WORKLOAD_KINDS]
+    by_role = {w.role: w for w in workloads}
+    status: dict[str, Any] = {"observedGeneration": obs.generation}
+    for role in SERVING_ROLES:
+        state = by_role.get(role)
+        if state is not None:
+            status[role] = {"replicas": state.desired, "readyReplicas": state.ready,
+                            "summary": state.summary}
+    status["endpoint"] = obs.endpoint
+    status["etcd"] = {"mode": obs.etcd_mode, "endpoints": list(obs.etcd_endpoints),
+                      "healthy": bool(obs.etcd_health and obs.etcd_health.healthy),
+                      "message": obs.etcd_health.message if obs.etcd_health else "not checked"}
+
+    not_ready = [w for w in workloads if not w.is_ready]
+    rolling = [w for w in workloads if not w.rolled_out and w.failure is None]
+    failing = [w for w in workloads if w.failure]
+    zero = [r for r in SERVING_ROLES if r in by_role and by_role[r].desired == 0]
+    etcd_ok = obs.etcd_health is not None and obs.etcd_health.healthy
+
+    if obs.apply_error:
+        ready = ("False", "ApplyFailed", obs.apply_error)
+    elif zero:
+        ready = ("False", "ScaledToZero",
+                 f"{', '.join(zero)} has 0 replicas: scale it up to serve requests")
+    elif not_ready:
+        ready = ("False", "ComponentsNotReady", "waiting for " + "; ".join(
+            f"{w.role} {w.summary} ready" for w in not_ready))
+    elif not etcd_ok:
+        ready = ("False", "EtcdUnhealthy", _etcd_message(obs))
+    else:
+        ready = ("True", "AllComponentsReady",
+                 f"{len(workloads)} components ready; serving at {obs.endpoint}")
+
+    if rolling:
+        progressing = ("True", "RollingOut", "rolling out " + ", ".join(
+            f"{w.role} ({w.updated}/{w.desired} updated, {w.ready} ready)" for w in rolling))
+    else:
+        progressing = ("False", "RolloutComplete", "all components run the latest spec")
+
+    if obs.apply_error:
+        degraded = ("True", "ApplyFailed", obs.apply_error)
+    elif failing:
+        degraded = ("True", "WorkloadFailing", "; ".join(f"{w.role}: {w.failure}"
+                                                        for w in failing))
+    elif obs.etcd_health is not None and not obs.etcd_health.healthy and not rolling:
+        degraded = ("True", "EtcdUnhealthy", _etcd_message(obs))
+    else:
+        degraded = ("False", "AsExpected", "no component reports a failure")
+
+    status["conditions"] = merge_conditions(previous.get("conditions") or [], [
+        (READY, *ready), (PROGRESSING, *progressing), (DEGRADED, *degraded)],
+        obs.generation, now)
+    return status
+
+
+def invalid_spec_status(previous: dict[str, Any], generation: int, message: str,
+                        now: str) -> dict[str, Any]:
+    """Keep what was observed before; mark the spec as the reason nothing changes."""
+    status = {k: v for k, v in previous.items() if k != "conditions"}
+    status["observedGeneration"] = generation
+    status["conditions"] = merge_conditions(previous.get("conditions") or [], [
+        (READY, "False", "InvalidSpec", message),
+        (PROGRESSING, "False", "InvalidSpec", "nothing is applied until the spec is fixed"),
+        (DEGRADED, "True", "InvalidSpec", message),
+    ], generation, now)
+    return status
+
+
+def _etcd_message(obs: Observation) -> str:
+    detail = obs.etcd_health.message if obs.etcd_health else "not checked yet"
+    where = ", ".join(obs.etcd_endpoints)
+    return f"etcd ({obs.etcd_mode.lower()}, {where}) is not healthy: {detail}"
+
+
+def merge_conditions(previous: list[dict[str, Any]],
+                     updates: list[tuple[str, str, str, str]],
+                     generation: int, now: str) -> list[dict[str, Any]]:
+    old = {c.get("type"): c for c in previous}
+    merged: list[dict[str, Any]] = []
+    for ctype, cstatus, reason, message in updates:
+        before = old.get(ctype)
+        changed = before is None or before.get("status") != cstatus
+        merged.append({
+            "type": ctype, "status": cstatus, "reason": reason, "message": message,
+            "observedGeneration": generation,
+            "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
+        })
+    known = {u[0] for u in updates}
+    merged.extend(c for c in previous if c.get("type") not in known)
+    return merged
+
+
+def condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == ctype:
+            return dict(cond)
+    return None
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+def transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpec]:
+    """Events for the important transitions between two statuses."""
+    events: list[EventSpec] = []
+    before, after = condition(old, READY), condition(new, READY)
+    if after is not None and (before is None or (before["status"], before["reason"])
+                              != (after["status"], after["reason"])):
+        if after["status"] == "True":
+            events.append(EventSpec("Normal", "Ready", after["message"]))
+        elif after["reason"] in ("InvalidSpec", "ApplyFailed", "EtcdUnhealthy"):
+            events.append(EventSpec("Warning", after["reason"], after["message"]))
+        elif before is not None and before["status"] == "True":
+            events.append(EventSpec("Warning", "NotReady", after["message"]))
+    for role in SERVING_ROLES:
+        was = (old.get(role) or {}).get("replicas")
+        now = (new.get(role) or {}).get("replicas")
+        if was is not None and now is not None and was != now:
+            events.append(EventSpec("Normal", "Scaled", f"{role} scaled from {was} to {now}"))
+    deg_before, deg_after = condition(old, DEGRADED), condition(new, DEGRADED)
+    if deg_after and deg_after["status"] == "True" and deg_after["reason"] not in (
+            "InvalidSpec", "ApplyFailed", "EtcdUnhealthy") and (
+            deg_before is None or deg_before["status"] != "True"):
+        events.append(EventSpec("Warning", "Degraded", deg_after["message"]))
+    return events

@@ -1,0 +1,83 @@
+"""Render and CRD generation: pure functions, checked against committed files."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from disagg_operator import plan
+from disagg_operator.crd import render_crd_yaml
+from disagg_operator.render import Owner, render
+from disagg_operator.spec import InvalidSpecError, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+GOLDEN = ROOT / "tests" / "golden"
+
+
+def _render(path: Path) -> list[dict]:
+    doc = yaml.safe_load(path.read_text())
+    owner = Owner(doc["metadata"]["name"], "default", "uid-0")
+    return render(owner, parse_spec(doc["spec"]), "disagg-operator/serving:0.1.0")
+
+
+def test_committed_crd_is_generated_from_spec_models() -> None:
+    assert (ROOT / "crds" / "disaggserving.yaml").read_text() == render_crd_yaml()
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_render_matches_golden(example: Path) -> None:
+    golden = GOLDEN / f"{example.stem}.yaml"
+    rendered = yaml.safe_dump_all(_render(example), sort_keys=False)
+    assert golden.read_text() == rendered, f"regenerate {golden} if the change is intended"
+
+
+def test_prefill_and_decode_share_model_dtype_block_size_and_differ_in_role() -> None:
+    objs = {o["metadata"]["name"]: o for o in _render(ROOT / "examples/deepseek-v2-lite-1p2d.yaml")
+            if o["kind"] == "Deployment"}
+    args = {r: objs[f"dsv2-lite-{r}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+            for r in ("prefill", "decode")}
+    for flag in ("--model", "--dtype", "--block-size"):
+        assert args["prefill"][args["prefill"].index(flag) + 1] == \
+            args["decode"][args["decode"].index(flag) + 1]
+    kv = {r: args[r][args[r].index("--kv-transfer-config") + 1] for r in args}
+    assert '"kv_role":"kv_producer"' in kv["prefill"]
+    assert '"kv_role":"kv_consumer"' in kv["decode"]
+    assert objs["dsv2-lite-decode"]["spec"]["replicas"] == 2
+
+
+def test_external_etcd_renders_no_managed_etcd() -> None:
+    names = {o["metadata"]["name"] for o in _render(ROOT / "examples/external-etcd.yaml")}
+    assert not any(n.startswith("shared-etcd-etcd") for n in names)
+    managed = {o["metadata"]["name"] for o in _render(ROOT / "examples/deepseek-v2-lite-1p2d.yaml")}
+    assert {"dsv2-lite-etcd", "dsv2-lite-etcd-client"} <= managed
+
+
+def test_hf_token_comes_from_secret_and_never_appears_in_args() -> None:
+    objs = _render(ROOT / "examples/llama-1p1d.yaml")
+    prefill = next(o for o in objs if o["metadata"]["name"] == "llama-prefill"
+                   and o["kind"] == "Deployment")
+    container = prefill["spec"]["template"]["spec"]["containers"][0]
+    token = next(e for e in container["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    assert not any("hf-token" in a or "HF_TOKEN" in a for a in container["args"])
+
+
+@pytest.mark.parametrize("spec,field", [
+    ({"model": {"name": "m"}, "etcd": {"mode": "External"}}, "etcd"),
+    ({"model": {"name": "m", "blockSize": 17}}, "model.blockSize"),
+    ({"model": {"name": "m"}, "decode": {"replicas": -1}}, "decode.replicas"),
+    ({"model": {"name": "m"}, "prefil": {}}, "prefil"),
+    ({}, "model"),
+])
+def test_invalid_specs_name_the_field(spec: dict, field: str) -> None:
+    with pytest.raises(InvalidSpecError) as err:
+        parse_spec(spec)
+    assert err.value.field == field
+
+
+def test_mooncake_config_sizes_are_bytes() -> None:
+    spec = parse_spec({"model": {"name": "m"}})
+    text = plan.mooncake_config_json(spec, "master:50051", ("etcd:2379",))
+    assert '"global_segment_size": 4294967296' in text
+    assert '"metadata_server": "etcd://etcd:2379"' in text
