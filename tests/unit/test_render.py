@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from disagg_operator import plan
 from disagg_operator.crd import render_crd_yaml
 from disagg_operator.render import Owner, render

@@ -14,8 +14,8 @@ import asyncio
 import copy
 import datetime
 import itertools
-import re
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
