@@ -59,7 +59,8 @@ class EtcdHealthChecker:
             return cached[1]
         problems = await asyncio.gather(*(probe_endpoint(e, self.timeout) for e in endpoints))
         healthy = any(p is None for p in problems)
-        message = ("etcd answers at " + ", ".join(e for e, p in zip(endpoints, problems) if p is None)
+        answering = [e for e, p in zip(endpoints, problems, strict=True) if p is None]
+        message = ("etcd answers at " + ", ".join(answering)
                    if healthy else "; ".join(p for p in problems if p))
         result = EtcdHealth(healthy=healthy, message=message)
         self._cache[endpoints] = (now, result)

@@ -31,7 +31,7 @@ DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 class CelRule(BaseModel):
-    """One `x-kubernetes-validations` entry: the API server rejects objects where `rule` is false."""
+    """One `x-kubernetes-validations` entry: the API server rejects objects failing `rule`."""
 
     rule: str
     message: str
