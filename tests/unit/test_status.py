@@ -1,0 +1,60 @@
+"""Status computation from observed children: pure, no cluster."""
+
+from pathlib import Path
+
+import yaml
+from disagg_operator.etcd_health import EtcdHealth
+from disagg_operator.render import Owner, render
+from disagg_operator.spec import parse_spec
+from disagg_operator.status import Observation, compute_status, condition, transition_events
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _desired() -> list[dict]:
+    doc = yaml.safe_load((ROOT / "examples/deepseek-v2-lite-1p2d.yaml").read_text())
+    return render(Owner("dsv2-lite", "default", "u"), parse_spec(doc["spec"]), "img")
+
+
+def _observed(desired: list[dict], ready: dict[str, int]) -> dict:
+    observed = {}
+    for obj in desired:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            role = obj["metadata"]["labels"]["app.kubernetes.io/component"]
+            n = obj["spec"]["replicas"]
+            live = {**obj, "metadata": {**obj["metadata"], "generation": 1},
+                    "status": {"observedGeneration": 1, "replicas": n, "updatedReplicas": n,
+                               "readyReplicas": ready.get(role, n)}}
+            observed[(obj["kind"], obj["metadata"]["name"])] = live
+    return observed
+
+
+def _obs(ready: dict[str, int], healthy: bool = True) -> Observation:
+    desired = _desired()
+    return Observation(generation=1, desired=desired, observed=_observed(desired, ready),
+                       etcd_mode="Managed", etcd_endpoints=("e:2379",),
+                       etcd_health=EtcdHealth(healthy, "ok" if healthy else "refused"),
+                       endpoint="http://dsv2-lite-proxy:8000")
+
+
+def test_all_ready_is_ready_and_transition_time_is_kept() -> None:
+    first = compute_status(_obs({}), {}, "t1")
+    assert condition(first, "Ready")["status"] == "True"
+    assert first["decode"] == {"replicas": 2, "readyReplicas": 2, "summary": "2/2"}
+    again = compute_status(_obs({}), first, "t2")
+    assert again == first  # nothing changed: no write needed, times kept
+    assert [e.reason for e in transition_events({}, first)] == ["Ready"]
+
+
+def test_missing_decode_names_the_role() -> None:
+    status = compute_status(_obs({"decode": 1}), {}, "t1")
+    ready = condition(status, "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ComponentsNotReady")
+    assert "decode 1/2" in ready["message"]
+
+
+def test_unhealthy_etcd_blocks_ready_and_degrades() -> None:
+    status = compute_status(_obs({}, healthy=False), {}, "t1")
+    assert condition(status, "Ready")["reason"] == "EtcdUnhealthy"
+    assert condition(status, "Degraded")["status"] == "True"
+    assert "refused" in condition(status, "Ready")["message"]
