@@ -65,6 +65,3 @@ class EtcdHealthChecker:
         result = EtcdHealth(healthy=healthy, message=message)
         self._cache[endpoints] = (now, result)
         return result
-
-    def forget(self, endpoints: tuple[str, ...]) -> None:
-        self._cache.pop(endpoints, None)

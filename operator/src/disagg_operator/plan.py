@@ -78,12 +78,6 @@ class Plan:
     config_files: dict[str, str] = field(default_factory=dict)  # file name -> content
     components: tuple[Component, ...] = ()
 
-    def component(self, role: str) -> Component:
-        for comp in self.components:
-            if comp.role == role:
-                return comp
-        raise KeyError(role)
-
 
 class Addressing(Protocol):
     """Where one component reaches another: Service DNS names in a cluster, loopback locally."""

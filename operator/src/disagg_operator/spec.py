@@ -25,9 +25,6 @@ SHORT_NAMES = ["dsv"]
 # Child names append at most 16 characters ("-mooncake-master") and must stay DNS labels (63).
 MAX_NAME_LENGTH = 47
 
-# vLLM's CacheConfig accepts these block sizes (tokens per KV page).
-VLLM_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
-DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 class CelRule(BaseModel):
@@ -104,6 +101,7 @@ class ModelSpec(_Model):
     max_model_len: int | None = Field(default=None, ge=1, description="Context length limit.")
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = Field(
         default="auto", description="Weights and activations dtype, same for prefill and decode.")
+    # The block sizes vLLM's CacheConfig accepts (tokens per KV page).
     block_size: Literal[1, 8, 16, 32, 64, 128, 256] = Field(
         default=16, description="KV page size in tokens; prefill and decode always share it.")
     cache: ModelCacheSpec = _obj("Weight cache volume.")

@@ -6,7 +6,7 @@ Conditions follow the Kubernetes API conventions: `type`, `status`, `reason`, `m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator.etcd_health import EtcdHealth
@@ -50,7 +50,6 @@ class Observation:
     etcd_health: EtcdHealth | None
     endpoint: str
     apply_error: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def workload_state(desired: Manifest, live: Manifest | None) -> WorkloadState:
