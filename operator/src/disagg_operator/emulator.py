@@ -204,7 +204,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         response = await super()._handle(request)
         if request.action in (enums.action.CREATE, enums.action.UPDATE):
             await self._after_write(request)
-        if request.action == enums.action.DELETE:
+        if request.action in (enums.action.DELETE, enums.action.UPDATE):
+            # A delete, or a patch that removed the last finalizer, may orphan children.
             await self._collect_garbage()
         if request.action == enums.action.CREATE and request.resource.plural == \
                 "customresourcedefinitions" and request.data:
@@ -254,6 +255,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         meta = body.setdefault("metadata", {})
         if request.namespace and not meta.get("namespace"):
             meta["namespace"] = request.namespace  # kmock's namespaced watches need it
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now(),
                     resourceVersion=str(next(self._versions)))
         if self._has_status_subresource(request.resource):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aetcd
@@ -47,9 +48,13 @@ async def probe_endpoint(endpoint: str, timeout: float) -> str | None:
 class EtcdHealthChecker:
     """Healthy when any endpoint answers; results are reused for `ttl` seconds."""
 
-    def __init__(self, timeout: float = 2.0, ttl: float = 10.0) -> None:
+    def __init__(self, timeout: float = 2.0, ttl: float = 10.0,
+                 address_overrides: Mapping[str, str] | None = None) -> None:
         self.timeout = timeout
         self.ttl = ttl
+        # Where to reach an endpoint when its name does not resolve from the operator's host
+        # (an operator run outside the cluster, or the API emulator's demo): name -> host:port.
+        self.address_overrides = dict(address_overrides or {})
         self._cache: dict[tuple[str, ...], tuple[float, EtcdHealth]] = {}
 
     async def check(self, endpoints: tuple[str, ...]) -> EtcdHealth:
@@ -57,7 +62,8 @@ class EtcdHealthChecker:
         now = time.monotonic()
         if cached and now - cached[0] < self.ttl:
             return cached[1]
-        problems = await asyncio.gather(*(probe_endpoint(e, self.timeout) for e in endpoints))
+        problems = await asyncio.gather(*(
+            probe_endpoint(self.address_overrides.get(e, e), self.timeout) for e in endpoints))
         healthy = any(p is None for p in problems)
         answering = [e for e, p in zip(endpoints, problems, strict=True) if p is None]
         message = ("etcd answers at " + ", ".join(answering)

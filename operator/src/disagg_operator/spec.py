@@ -11,7 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from disagg_operator.quantity import parse_quantity
@@ -164,6 +164,19 @@ class KVTransferSpec(_Model):
         return _fill_object_defaults(cls, data)
 
 
+# vLLM flags the operator renders itself, so prefill and decode cannot disagree on them.
+MANAGED_VLLM_FLAGS = {
+    "--model": "spec.model.name", "--served-model-name": "spec.model.servedModelName",
+    "--revision": "spec.model.revision", "--dtype": "spec.model.dtype",
+    "--block-size": "spec.model.blockSize", "--max-model-len": "spec.model.maxModelLen",
+    "--trust-remote-code": "spec.model.trustRemoteCode",
+    "--tensor-parallel-size": "tensorParallelSize", "-tp": "tensorParallelSize",
+    "--gpu-memory-utilization": "gpuMemoryUtilization",
+    "--kv-transfer-config": "spec.kvTransfer", "--host": "the pod (fixed)",
+    "--port": "the pod (fixed)",
+}
+
+
 class RoleSpec(_Model):
     """A vLLM role (prefill or decode)."""
 
@@ -180,6 +193,17 @@ class RoleSpec(_Model):
     pod_template: dict[str, Any] | None = _passthrough(
         "A partial PodTemplateSpec merged over the rendered one (containers merged by name).",
         _K8S_OBJECT)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_managed_flags(cls, args: list[str]) -> list[str]:
+        for arg in args:
+            flag = arg.split("=", 1)[0].replace("_", "-")
+            if flag in MANAGED_VLLM_FLAGS:
+                raise ValueError(
+                    f"{flag} is set by the operator from {MANAGED_VLLM_FLAGS[flag]}; "
+                    "set it there instead of in extraArgs")
+        return args
 
 
 class ServiceSpec(_Model):

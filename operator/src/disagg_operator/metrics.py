@@ -1,0 +1,34 @@
+"""Prometheus metrics of the operator, served on --metrics-port."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+RECONCILE_SECONDS = Histogram(
+    "disagg_operator_reconcile_duration_seconds",
+    "Time spent reconciling one DisaggServing (operator time, API calls included).",
+    ["namespace", "name"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+RECONCILE_ERRORS = Counter(
+    "disagg_operator_reconcile_errors_total",
+    "Reconciles of one DisaggServing that ended in an error (API refusal or invalid spec).",
+    ["namespace", "name", "reason"],
+)
+API_WRITES = Counter(
+    "disagg_operator_api_writes_total",
+    "Write calls the operator made to the Kubernetes API.",
+    ["verb", "kind"],
+)
+
+
+def forget(namespace: str, name: str) -> None:
+    """Drop the per-object series of a deleted DisaggServing, so series do not grow forever."""
+    for metric in (RECONCILE_SECONDS,):
+        try:
+            metric.remove(namespace, name)
+        except KeyError:
+            pass
+    for labels in list(RECONCILE_ERRORS._metrics):  # noqa: SLF001 - no public per-prefix removal
+        if labels[:2] == (namespace, name):
+            RECONCILE_ERRORS.remove(*labels)

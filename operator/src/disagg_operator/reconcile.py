@@ -1,0 +1,191 @@
+"""One reconcile of one DisaggServing: spec → render → apply and prune → observe → status.
+
+The decisions are pure functions (render, `apply_reason`, compute_status); this module only
+sequences them around the ClusterApi calls. A resync that finds nothing to change makes no
+write call: children are applied only when their desired form changed or they drifted, and the
+status is patched only when it differs.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from disagg_operator import metrics
+from disagg_operator.etcd_health import EtcdHealthChecker
+from disagg_operator.kube import ApiFailure, ChildKey, ClusterApi
+from disagg_operator.plan import ClusterAddressing, build_plan
+from disagg_operator.quantity import parse_quantity
+from disagg_operator.render import Manifest, Owner, render
+from disagg_operator.spec import DisaggServingSpec, InvalidSpecError, parse_spec
+from disagg_operator.status import (
+    EventSpec,
+    Observation,
+    compute_status,
+    invalid_spec_status,
+    transition_events,
+)
+
+ANNOTATION_APPLIED_HASH = "serving.disagg.dev/applied-hash"
+
+
+def _utcnow() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class ReconcileResult:
+    status: dict[str, Any]
+    events: list[EventSpec] = field(default_factory=list)
+    applied: list[ChildKey] = field(default_factory=list)
+    pruned: list[ChildKey] = field(default_factory=list)
+    status_written: bool = False
+    error: str | None = None
+
+
+def with_applied_hash(manifest: Manifest) -> Manifest:
+    """The manifest plus an annotation that fingerprints it, to skip no-op applies."""
+    digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()[:20]
+    stamped = copy.deepcopy(manifest)
+    stamped["metadata"].setdefault("annotations", {})[ANNOTATION_APPLIED_HASH] = digest
+    return stamped
+
+
+def apply_reason(desired: Manifest, live: Manifest | None) -> str | None:
+    """Why `desired` (stamped) must be applied over `live`, or None when it is in place."""
+    if live is None:
+        return "missing"
+    annotations = live.get("metadata", {}).get("annotations") or {}
+    if annotations.get(ANNOTATION_APPLIED_HASH) != \
+            desired["metadata"]["annotations"][ANNOTATION_APPLIED_HASH]:
+        return "changed"
+    drift = first_difference(desired.get("spec", desired.get("data")),
+                             live.get("spec", live.get("data")), "spec")
+    return f"drifted at {drift}" if drift else None
+
+
+def first_difference(desired: Any, live: Any, path: str) -> str | None:
+    """The first path where `live` does not hold what `desired` says, tolerating what the API
+    server adds (defaults, extra keys) or normalizes (empty values omitted, quantities)."""
+    if desired in (None, {}, [], "") and live in (None, {}, [], ""):
+        return None
+    if isinstance(desired, dict):
+        if not isinstance(live, dict):
+            return path
+        for key, value in desired.items():
+            found = first_difference(value, live.get(key), f"{path}.{key}")
+            if found:
+                return found
+        return None
+    if isinstance(desired, list):
+        if not isinstance(live, list) or len(live) != len(desired):
+            return path
+        for index, (want, have) in enumerate(zip(desired, live, strict=True)):
+            found = first_difference(want, have, f"{path}[{index}]")
+            if found:
+                return found
+        return None
+    if desired == live:
+        return None
+    if isinstance(desired, (int, str)) and isinstance(live, (int, str)):
+        try:
+            if parse_quantity(str(desired)) == parse_quantity(str(live)):
+                return None
+        except ValueError:
+            pass
+    return path
+
+
+class Reconciler:
+    def __init__(self, api: ClusterApi, etcd: EtcdHealthChecker, default_image: str,
+                 cluster_domain: str = "cluster.local",
+                 clock: Callable[[], str] = _utcnow) -> None:
+        self.api = api
+        self.etcd = etcd
+        self.default_image = default_image
+        self.cluster_domain = cluster_domain
+        self.clock = clock
+
+    async def reconcile(self, body: Mapping[str, Any]) -> ReconcileResult:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        started = time.perf_counter()
+        try:
+            result = await self._reconcile(body)
+        finally:
+            metrics.RECONCILE_SECONDS.labels(namespace, name).observe(
+                time.perf_counter() - started)
+        if result.error:
+            metrics.RECONCILE_ERRORS.labels(namespace, name, _reason(result.status)).inc()
+        return result
+
+    async def _reconcile(self, body: Mapping[str, Any]) -> ReconcileResult:
+        meta = body["metadata"]
+        owner = Owner(meta["name"], meta["namespace"], meta["uid"])
+        generation = int(meta.get("generation") or 1)
+        previous = dict(body.get("status") or {})
+        try:
+            spec = parse_spec(dict(body.get("spec") or {}))
+        except InvalidSpecError as err:
+            status = invalid_spec_status(previous, generation, str(err), self.clock())
+            result = ReconcileResult(status=status, error=str(err))
+            return await self._finish(owner, previous, result)
+
+        desired = [with_applied_hash(m)
+                   for m in render(owner, spec, self.default_image, self.cluster_domain)]
+        result = ReconcileResult(status={})
+        apply_error: str | None = None
+        try:
+            observed = await self.api.list_children(owner)
+            for manifest in desired:
+                key = (manifest["kind"], manifest["metadata"]["name"])
+                if apply_reason(manifest, observed.get(key)) is not None:
+                    observed[key] = await self.api.apply(manifest)
+                    result.applied.append(key)
+            # Prune only after every desired child is in place, never on a half-applied spec.
+            wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
+            for key in sorted(set(observed) - wanted):
+                await self.api.delete(key[0], owner.namespace, key[1])
+                del observed[key]
+                result.pruned.append(key)
+        except ApiFailure as err:
+            apply_error = f"applying children failed: {err}"
+            observed = {}
+
+        plan = build_plan(owner.name, owner.namespace, spec,
+                          ClusterAddressing(owner.namespace, self.cluster_domain))
+        health = await self.etcd.check(plan.etcd_endpoints)
+        observation = Observation(
+            generation=generation, desired=desired, observed=observed,
+            etcd_mode=spec.etcd.mode, etcd_endpoints=plan.etcd_endpoints, etcd_health=health,
+            endpoint=self._endpoint(owner, spec), apply_error=apply_error)
+        result.status = compute_status(observation, previous, self.clock())
+        result.error = apply_error
+        return await self._finish(owner, previous, result)
+
+    async def _finish(self, owner: Owner, previous: dict[str, Any],
+                      result: ReconcileResult) -> ReconcileResult:
+        if result.status != previous:
+            patch = {**result.status, **{k: None for k in previous if k not in result.status}}
+            await self.api.patch_status(owner.namespace, owner.name, patch)
+            result.status_written = True
+        result.events = transition_events(previous, result.status)
+        return result
+
+    def _endpoint(self, owner: Owner, spec: DisaggServingSpec) -> str:
+        host = ClusterAddressing(owner.namespace, self.cluster_domain).service_host(
+            f"{owner.name}-proxy")
+        return f"http://{host}:{spec.proxy.service.port}"
+
+
+def _reason(status: Mapping[str, Any]) -> str:
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return str(cond.get("reason") or "Unknown")
+    return "Unknown"

@@ -1,0 +1,183 @@
+"""The kopf operator reconciling DisaggServings in the API emulator, with a real etcd."""
+
+from __future__ import annotations
+
+from disagg_operator.etcd_process import EtcdProcess
+from disagg_operator.handlers import OperatorConfig
+from disagg_operator.sandbox import Sandbox
+from disagg_operator.spec import GROUP, PLURAL, VERSION
+from prometheus_client import REGISTRY
+
+from .conftest import NAMESPACE, Api, example
+
+SEED_CHILDREN = {
+    ("configmaps", "dsv2-lite-config"),
+    ("statefulsets", "dsv2-lite-etcd"),
+    ("services", "dsv2-lite-etcd"),
+    ("services", "dsv2-lite-etcd-client"),
+    ("deployments", "dsv2-lite-mooncake-master"),
+    ("services", "dsv2-lite-mooncake-master"),
+    ("deployments", "dsv2-lite-prefill"),
+    ("services", "dsv2-lite-prefill"),
+    ("deployments", "dsv2-lite-decode"),
+    ("services", "dsv2-lite-decode"),
+    ("deployments", "dsv2-lite-proxy"),
+    ("services", "dsv2-lite-proxy"),
+}
+
+
+def reconciles(name: str) -> float:
+    return REGISTRY.get_sample_value("disagg_operator_reconcile_duration_seconds_count",
+                                     {"namespace": NAMESPACE, "name": name}) or 0.0
+
+
+async def create_seed(api: Api) -> None:
+    await api.create(example("deepseek-v2-lite-1p2d.yaml"))
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady")
+
+
+async def test_create_renders_every_child_and_reports_ready(api: Api) -> None:
+    await create_seed(api)
+    children = api.children("dsv2-lite")
+    assert set(children) == SEED_CHILDREN
+    uid = api.dsv("dsv2-lite")["metadata"]["uid"]  # type: ignore[index]
+    for obj in children.values():
+        (ref,) = obj["metadata"]["ownerReferences"]
+        assert ref["uid"] == uid and ref["controller"] is True
+    status = api.dsv("dsv2-lite")["status"]  # type: ignore[index]
+    assert status["observedGeneration"] == 1
+    assert (status["prefill"]["summary"], status["decode"]["summary"]) == ("1/1", "2/2")
+    assert status["etcd"]["healthy"] is True
+    assert status["endpoint"] == "http://dsv2-lite-proxy.default.svc.cluster.local:8000"
+    assert api.condition("dsv2-lite", "Progressing")["reason"] == "RolloutComplete"  # type: ignore[index]
+    assert api.condition("dsv2-lite", "Degraded")["status"] == "False"  # type: ignore[index]
+    await api.wait(lambda: api.events("Ready"), "a Ready event")
+
+
+async def test_resync_without_change_makes_no_writes(api: Api) -> None:
+    await create_seed(api)
+    before = reconciles("dsv2-lite")
+    mark = api.mark()
+    await api.wait(lambda: reconciles("dsv2-lite") >= before + 3, "three resyncs")
+    assert api.writes_since(mark) == []
+
+
+async def test_scale_decode_applies_only_the_decode_workload(api: Api) -> None:
+    await create_seed(api)
+    mark = api.mark()
+    await api.patch_spec("dsv2-lite", {"decode": {"replicas": 3}})
+    await api.wait_condition("dsv2-lite", "Ready", "True", generation=2)
+    assert api.get("deployments", "dsv2-lite-decode")["spec"]["replicas"] == 3  # type: ignore[index]
+    assert api.dsv("dsv2-lite")["status"]["decode"]["summary"] == "3/3"  # type: ignore[index]
+    child_writes = [w for w in api.writes_since(mark) if PLURAL not in w]
+    assert child_writes == [
+        "PATCH /apis/apps/v1/namespaces/default/deployments/dsv2-lite-decode"]
+    await api.wait(lambda: any("decode scaled from 2 to 3" in e.get("message", "")
+                               for e in api.events("Scaled")), "a Scaled event")
+
+
+async def test_image_change_rolls_out_and_reports_progress(cluster: Sandbox, api: Api) -> None:
+    await create_seed(api)
+    cluster.emulator.readiness = "manual"  # workloads now report only what the test says
+    await api.patch_spec("dsv2-lite", {"image": "test/serving:2"})
+    await api.wait_condition("dsv2-lite", "Progressing", "True", "RollingOut", generation=2)
+    workloads = [obj for (plural, _), obj in api.children("dsv2-lite").items()
+                 if plural == "deployments"]
+    for obj in workloads:
+        images = {c["image"] for c in obj["spec"]["template"]["spec"]["containers"]}
+        assert images == {"test/serving:2"}, obj["metadata"]["name"]
+    assert api.condition("dsv2-lite", "Ready")["reason"] == "ComponentsNotReady"  # type: ignore[index]
+    for obj in workloads:
+        await cluster.emulator.set_workload_ready("deployments", NAMESPACE,
+                                                  obj["metadata"]["name"])
+    await api.wait_condition("dsv2-lite", "Ready", "True", generation=2)
+    assert api.condition("dsv2-lite", "Progressing")["status"] == "False"  # type: ignore[index]
+
+
+async def test_switch_to_external_etcd_prunes_managed_etcd(api: Api, etcd: EtcdProcess) -> None:
+    await create_seed(api)
+    await api.patch_spec("dsv2-lite", {"etcd": {"mode": "External",
+                                                "endpoints": [etcd.endpoint]}})
+    await api.wait(lambda: ("statefulsets", "dsv2-lite-etcd") not in api.children("dsv2-lite"),
+                   "the managed etcd to be pruned")
+    children = set(api.children("dsv2-lite"))
+    assert children == SEED_CHILDREN - {("statefulsets", "dsv2-lite-etcd"),
+                                        ("services", "dsv2-lite-etcd"),
+                                        ("services", "dsv2-lite-etcd-client")}
+    config = api.get("configmaps", "dsv2-lite-config", group="", version="v1")
+    assert f"etcd://{etcd.endpoint}" in config["data"]["mooncake.json"]  # type: ignore[index]
+    cond = await api.wait_condition("dsv2-lite", "Ready", "True", generation=2)
+    assert api.dsv("dsv2-lite")["status"]["etcd"] == {  # type: ignore[index]
+        "mode": "External", "endpoints": [etcd.endpoint], "healthy": True,
+        "message": f"etcd answers at {etcd.endpoint}"}
+    assert cond["observedGeneration"] == 2
+
+
+async def test_unreachable_etcd_is_reported_and_recovers(api: Api, etcd: EtcdProcess) -> None:
+    await create_seed(api)
+    etcd.stop()
+    cond = await api.wait_condition("dsv2-lite", "Ready", "False", "EtcdUnhealthy")
+    assert "dsv2-lite-etcd-client.default.svc" in cond["message"]
+    assert api.condition("dsv2-lite", "Degraded")["reason"] == "EtcdUnhealthy"  # type: ignore[index]
+    await api.wait(lambda: api.events("EtcdUnhealthy"), "an EtcdUnhealthy event")
+    await etcd.start()  # same ports, same data
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady")
+
+
+async def test_invalid_spec_applies_nothing_and_a_fix_recovers(api: Api) -> None:
+    await create_seed(api)
+    before = api.children("dsv2-lite")
+    mark = api.mark()
+    # A cross-field rule (CEL at a real API server; the emulator skips CEL, the operator not).
+    await api.patch_spec("dsv2-lite", {"etcd": {"mode": "External"}})
+    cond = await api.wait_condition("dsv2-lite", "Ready", "False", "InvalidSpec")
+    assert "spec.etcd" in cond["message"] and "endpoints" in cond["message"]
+    assert cond["observedGeneration"] == 2
+    await api.wait(lambda: any("spec.etcd" in e.get("message", "")
+                               for e in api.events("InvalidSpec")), "an InvalidSpec event")
+    assert [w for w in api.writes_since(mark) if PLURAL not in w] == []
+    assert api.children("dsv2-lite") == before
+
+    await api.patch_spec("dsv2-lite", {"etcd": {"mode": "Managed"}})
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady", generation=3)
+
+
+async def test_invalid_new_object_creates_no_children(api: Api) -> None:
+    body = example("llama-1p1d.yaml")
+    body["spec"]["prefill"] = {"replicas": 1, "extraArgs": ["--kv-transfer-config={}"]}
+    await api.create(body)
+    cond = await api.wait_condition("llama", "Ready", "False", "InvalidSpec")
+    assert "spec.prefill.extraArgs" in cond["message"]
+    assert api.children("llama") == {}
+
+
+async def test_deleted_children_and_drift_are_repaired(api: Api) -> None:
+    await create_seed(api)
+    await api.delete(f"/api/v1/namespaces/{NAMESPACE}/services/dsv2-lite-proxy")
+    await api.wait(lambda: ("services", "dsv2-lite-proxy") in api.children("dsv2-lite"),
+                   "the proxy Service to be recreated")
+    await api._request("PATCH", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/"
+                       "dsv2-lite-prefill", {"spec": {"replicas": 5}},
+                       content_type="application/merge-patch+json")
+    await api.wait(lambda: (api.get("deployments", "dsv2-lite-prefill") or {})
+                   .get("spec", {}).get("replicas") == 1, "the prefill replicas to be restored")
+
+
+async def test_delete_removes_the_object_and_its_children(api: Api) -> None:
+    await create_seed(api)
+    assert api.dsv("dsv2-lite")["metadata"]["finalizers"] == [f"{GROUP}/finalizer"]  # type: ignore[index]
+    await api.delete(f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}/dsv2-lite")
+    await api.wait(lambda: api.dsv("dsv2-lite") is None, "the DisaggServing to be gone")
+    assert api.children("dsv2-lite") == {}
+
+
+async def test_operator_restart_duplicates_nothing_and_writes_nothing(
+        cluster: Sandbox, api: Api, config: OperatorConfig) -> None:
+    await create_seed(api)
+    children = api.children("dsv2-lite")
+    await cluster.stop_operator()
+    mark = api.mark()
+    await cluster.start_operator(config)
+    await api.wait(lambda: reconciles("dsv2-lite") >= 2, "two reconciles after the restart")
+    assert api.writes_since(mark) == []
+    assert api.children("dsv2-lite") == children
