@@ -19,7 +19,6 @@ from disagg_operator.spec import GROUP, PLURAL, VERSION
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "default"
 DSV = kmock.resource(GROUP, VERSION, PLURAL)
-WRITE_METHODS = {"POST", "PATCH", "PUT", "DELETE"}
 
 
 def example(name: str) -> dict[str, Any]:
@@ -90,12 +89,11 @@ class Api:
 
     def writes_since(self, mark: int) -> list[str]:
         """Write requests the emulator received after request number `mark`."""
-        return [f"{r.method.value} {r.url.path}" for r in list(self.emu)[mark:]
-                if r.method is not None and r.method.value in WRITE_METHODS
-                and not r.url.path.endswith("/events")]
+        return [f"{r.method} {r.path}" for r in self.emu.request_log[mark:]
+                if r.is_write and r.plural != "events"]
 
     def mark(self) -> int:
-        return len(list(self.emu))
+        return len(self.emu.request_log)
 
     def events(self, reason: str | None = None) -> list[dict[str, Any]]:
         found = []

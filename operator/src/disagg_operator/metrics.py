@@ -8,7 +8,8 @@ RECONCILE_SECONDS = Histogram(
     "disagg_operator_reconcile_duration_seconds",
     "Time spent reconciling one DisaggServing (operator time, API calls included).",
     ["namespace", "name"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    buckets=(0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+             5.0, 10.0),
 )
 RECONCILE_ERRORS = Counter(
     "disagg_operator_reconcile_errors_total",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from decimal import Decimal, InvalidOperation
 
-_SUFFIXES = {
+_SUFFIXES: dict[str, int | Decimal] = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "m": Decimal("0.001"), "": 1,
@@ -23,7 +23,7 @@ def parse_quantity(value: str | int) -> int:
     else:
         number, multiplier = text, 1
     try:
-        amount = Decimal(number) * Decimal(multiplier)
+        amount = Decimal(str(number)) * Decimal(multiplier)
     except InvalidOperation:
         raise ValueError(f"{value!r} is not a quantity") from None
     whole = int(amount.to_integral_value(rounding="ROUND_CEILING"))

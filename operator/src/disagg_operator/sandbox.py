@@ -69,7 +69,7 @@ class OperatorThread:
     def _main(self) -> None:
         async def run() -> None:
             self._loop = asyncio.get_running_loop()
-            self._task = asyncio.current_task()  # type: ignore[assignment]
+            self._task = asyncio.current_task()
             await kopf.operator(registry=registry, clusterwide=True, standalone=True,
                                 memo=kopf.Memo(config=self.config), stop_flag=self.stop_flag)
         try:
@@ -101,9 +101,8 @@ class Sandbox:
     _operator: OperatorThread | None = None
 
     def watch_count(self) -> int:
-        return sum(1 for r in self.emulator
-                   if r.resource is not None and r.action == kmock.action.WATCH
-                   and r.resource.plural in WATCHED)
+        return sum(1 for r in self.emulator.request_log
+                   if r.action == "WATCH" and r.plural in WATCHED)
 
     async def start_operator(self, config: OperatorConfig, timeout: float = 30.0) -> None:
         if self._operator is not None:

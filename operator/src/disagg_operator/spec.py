@@ -52,8 +52,8 @@ def _obj(description: str) -> Any:
 
 
 # Kubernetes types that we pass through unchanged; the API server validates them in the workload.
-_K8S_OBJECT = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-_K8S_LIST = {"type": "array", "items": _K8S_OBJECT}
+_K8S_OBJECT: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+_K8S_LIST: dict[str, Any] = {"type": "array", "items": _K8S_OBJECT}
 
 
 def _passthrough(description: str, schema: dict[str, Any]) -> Any:

@@ -163,7 +163,8 @@ def merge_conditions(previous: list[dict[str, Any]],
         merged.append({
             "type": ctype, "status": cstatus, "reason": reason, "message": message,
             "observedGeneration": generation,
-            "lastTransitionTime": now if changed else before.get("lastTransitionTime", now),
+            "lastTransitionTime": (now if changed or before is None
+                                   else before.get("lastTransitionTime", now)),
         })
     known = {u[0] for u in updates}
     merged.extend(c for c in previous if c.get("type") not in known)
