@@ -51,7 +51,7 @@ def ready_count(box: Sandbox) -> int:
 
 def writes(box: Sandbox, since: int) -> int:
     return sum(1 for r in box.emulator.request_log[since:]
-               if r.is_write and r.plural != "events")
+               if r.is_write and not r.dry_run and r.plural != "events")
 
 
 def scrape(port: int) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -90,7 +90,7 @@ class Api:
     def writes_since(self, mark: int) -> list[str]:
         """Write requests the emulator received after request number `mark`."""
         return [f"{r.method} {r.path}" for r in self.emu.request_log[mark:]
-                if r.is_write and r.plural != "events"]
+                if r.is_write and not r.dry_run and r.plural != "events"]
 
     def mark(self) -> int:
         return len(self.emu.request_log)

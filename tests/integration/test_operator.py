@@ -181,3 +181,26 @@ async def test_operator_restart_duplicates_nothing_and_writes_nothing(
     await api.wait(lambda: reconciles("dsv2-lite") >= 2, "two reconciles after the restart")
     assert api.writes_since(mark) == []
     assert api.children("dsv2-lite") == children
+
+
+async def test_refused_change_is_reported_and_nothing_is_half_applied(api: Api) -> None:
+    await create_seed(api)
+    before = api.children("dsv2-lite")
+    # A new image for every workload plus an etcd volume size: the API server refuses to
+    # change a StatefulSet's volumeClaimTemplates, so nothing may change at all.
+    await api.patch_spec("dsv2-lite", {"image": "test/serving:2",
+                                       "etcd": {"storageSize": "20Gi"}})
+    cond = await api.wait_condition("dsv2-lite", "Ready", "False", "ApplyFailed")
+    assert "StatefulSet/dsv2-lite-etcd" in cond["message"]
+    assert "Forbidden" in cond["message"]
+    assert api.condition("dsv2-lite", "Degraded")["reason"] == "ApplyFailed"  # type: ignore[index]
+    await api.wait(lambda: api.events("ApplyFailed"), "an ApplyFailed event")
+    after = api.children("dsv2-lite")
+    for key, obj in before.items():
+        assert after[key]["spec" if "spec" in obj else "data"] == \
+            obj["spec" if "spec" in obj else "data"], key
+
+    await api.patch_spec("dsv2-lite", {"etcd": {"storageSize": None}})
+    await api.wait_condition("dsv2-lite", "Ready", "True", generation=3)
+    decode = api.get("deployments", "dsv2-lite-decode")
+    assert decode["spec"]["template"]["spec"]["containers"][0]["image"] == "test/serving:2"  # type: ignore[index]

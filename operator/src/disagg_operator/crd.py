@@ -200,7 +200,7 @@ def build_crd() -> dict[str, Any]:
     }
 
 
-class _NoAliasDumper(yaml.SafeDumper):  # type: ignore[misc]
+class _NoAliasDumper(yaml.SafeDumper):  # type: ignore[misc,unused-ignore]
     def ignore_aliases(self, data: Any) -> bool:
         return True
 

@@ -30,6 +30,8 @@ from typing_extensions import override
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 WORKLOAD_PLURALS = ("deployments", "statefulsets")
+STATEFULSET_MUTABLE = {"replicas", "ordinals", "template", "updateStrategy",
+                       "persistentVolumeClaimRetentionPolicy", "minReadySeconds"}
 # kmock matches every request against its whole request history (quadratic over a long run);
 # it keeps only the requests in flight and this many recent ones. `request_log` keeps a cheap
 # record of every request instead.
@@ -42,6 +44,7 @@ class RequestRecord:
     path: str
     action: str | None
     plural: str | None
+    dry_run: bool = False
 
     @property
     def is_write(self) -> bool:
@@ -218,7 +221,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         self.request_log.append(RequestRecord(
             request.method.value if request.method else "", request.url.path,
             request.action.value if request.action else None,
-            request.resource.plural if request.resource else None))
+            request.resource.plural if request.resource else None,
+            request.params.get("dryRun") == "All"))
         self._in_flight.add(id(request))
         self._trim_history()
         try:
@@ -243,6 +247,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             return await self._serve_table(request)
         if request.action == enums.action.LIST:
             return await self._serve_filtered_list(request)
+        is_write = request.action in (enums.action.CREATE, enums.action.UPDATE,
+                                      enums.action.DELETE)
+        if is_write and request.params.get("dryRun") == "All":
+            # Validate and admit as for real, store nothing.
+            prepared = self._prepare_write(request)
+            return aiohttp.web.json_response(prepared.data if isinstance(
+                prepared.data, dict) else self._stored(
+                    (request.resource, request.namespace, request.name)) or {})
         request = self._prepare_write(request)
         response = await super()._handle(request)
         if request.action in (enums.action.CREATE, enums.action.UPDATE):
@@ -284,6 +296,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 if self._has_status_subresource(res):
                     patch.pop("status", None)
                 after = _deep_merge(current, patch)
+            self._check_immutable(res, current, after)
             after = self._admit(res, after)
             after["metadata"]["resourceVersion"] = str(next(self._versions))
             if after.get("spec") != current.get("spec"):
@@ -292,6 +305,30 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if request.action == enums.action.CREATE and data is not None:
             return self._as_create(request, data)
         return request
+
+    def _check_immutable(self, res: kmock.resource, current: dict[str, Any],
+                         after: dict[str, Any]) -> None:
+        """The update rules of the workload controllers' API validation."""
+        if res.plural not in WORKLOAD_PLURALS:
+            return
+        kind, name = self._kind(res), current["metadata"].get("name")
+        before, now = current.get("spec") or {}, after.get("spec") or {}
+        if before.get("selector") != now.get("selector"):
+            raise kmock.KubernetesError(
+                status=422, reason="Invalid",
+                message=f'{kind}.apps "{name}" is invalid: spec.selector: Invalid value: '
+                        f"{json.dumps(now.get('selector'))}: field is immutable")
+        if res.plural == "statefulsets":
+            changed = sorted(k for k in set(before) | set(now)
+                             if k not in STATEFULSET_MUTABLE and before.get(k) != now.get(k))
+            if changed:
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid",
+                    message=f'{kind}.apps "{name}" is invalid: spec: Forbidden: updates to '
+                            "statefulset spec for fields other than 'replicas', 'ordinals', "
+                            "'template', 'updateStrategy', "
+                            "'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' are "
+                            f"forbidden (changed: {', '.join(changed)})")
 
     def _as_create(self, request: rendering.Request, data: dict[str, Any]) -> rendering.Request:
         assert request.resource is not None

@@ -47,7 +47,7 @@ class ApiFailure(Exception):
 
 class ClusterApi(Protocol):
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]: ...
-    async def apply(self, manifest: Manifest) -> Manifest: ...
+    async def apply(self, manifest: Manifest, dry_run: bool = False) -> Manifest: ...
     async def delete(self, kind: str, namespace: str, name: str) -> None: ...
     async def patch_status(self, namespace: str, name: str,
                            status_patch: dict[str, Any]) -> None: ...
@@ -73,12 +73,13 @@ class LightkubeApi:
                         found[(kind, obj["metadata"]["name"])] = obj
         return found
 
-    async def apply(self, manifest: Manifest) -> Manifest:
+    async def apply(self, manifest: Manifest, dry_run: bool = False) -> Manifest:
         resource = _RESOURCES[manifest["kind"]]
-        metrics.API_WRITES.labels(verb="apply", kind=manifest["kind"]).inc()
+        metrics.API_WRITES.labels(verb="apply-dry-run" if dry_run else "apply",
+                                  kind=manifest["kind"]).inc()
         async with _translated():
             applied = await self.client.apply(resource(**manifest), field_manager=FIELD_MANAGER,
-                                              force=True)
+                                              force=True, dry_run=dry_run)
         return dict(applied)
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
@@ -111,6 +112,16 @@ class _translated:
             status = exc.status
             raise ApiFailure(int(status.code or 0), str(status.reason or "Error"),
                              str(status.message or exc)) from exc
+        if isinstance(exc, httpx2.HTTPStatusError):
+            # lightkube only decodes a Status when the Content-Type is exactly application/json.
+            response = exc.response
+            try:
+                body = response.json()
+            except ValueError:
+                body = {}
+            reason = str(body.get("reason") or response.reason_phrase)
+            message = str(body.get("message") or response.text[:300])
+            raise ApiFailure(response.status_code, reason, message) from exc
         if isinstance(exc, httpx2.TransportError):
             raise ApiFailure(0, "Unreachable", f"{type(exc).__name__}: {exc}") from exc
         return False

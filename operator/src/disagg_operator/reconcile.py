@@ -141,22 +141,31 @@ class Reconciler:
                    for m in render(owner, spec, self.default_image, self.cluster_domain)]
         result = ReconcileResult(status={})
         apply_error: str | None = None
+        observed: dict[ChildKey, Manifest] = {}
+        target = "children"
         try:
             observed = await self.api.list_children(owner)
-            for manifest in desired:
+            changes = [m for m in desired if apply_reason(
+                m, observed.get((m["kind"], m["metadata"]["name"]))) is not None]
+            # The API server validates every change (dry run) before any is made, so a change
+            # it refuses (e.g. an immutable StatefulSet field) leaves the children as they were.
+            for manifest in changes:
+                target = f"{manifest['kind']}/{manifest['metadata']['name']}"
+                await self.api.apply(manifest, dry_run=True)
+            for manifest in changes:
                 key = (manifest["kind"], manifest["metadata"]["name"])
-                if apply_reason(manifest, observed.get(key)) is not None:
-                    observed[key] = await self.api.apply(manifest)
-                    result.applied.append(key)
+                target = f"{key[0]}/{key[1]}"
+                observed[key] = await self.api.apply(manifest)
+                result.applied.append(key)
             # Prune only after every desired child is in place, never on a half-applied spec.
             wanted = {(m["kind"], m["metadata"]["name"]) for m in desired}
             for key in sorted(set(observed) - wanted):
+                target = f"{key[0]}/{key[1]}"
                 await self.api.delete(key[0], owner.namespace, key[1])
                 del observed[key]
                 result.pruned.append(key)
         except ApiFailure as err:
-            apply_error = f"applying children failed: {err}"
-            observed = {}
+            apply_error = f"the API server refused {target}: {err.message}"
 
         plan = build_plan(owner.name, owner.namespace, spec,
                           ClusterAddressing(owner.namespace, self.cluster_domain))
