@@ -137,6 +137,8 @@ async def test_invalid_spec_applies_nothing_and_a_fix_recovers(api: Api) -> None
                                for e in api.events("InvalidSpec")), "an InvalidSpec event")
     assert [w for w in api.writes_since(mark) if PLURAL not in w] == []
     assert api.children("dsv2-lite") == before
+    assert (REGISTRY.get_sample_value("disagg_operator_reconcile_errors_total", {
+        "namespace": NAMESPACE, "name": "dsv2-lite", "reason": "InvalidSpec"}) or 0) >= 1
 
     await api.patch_spec("dsv2-lite", {"etcd": {"mode": "Managed"}})
     await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady", generation=3)
