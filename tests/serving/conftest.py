@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from kvhelper.layout import ModelKVSpec
 
@@ -32,3 +35,12 @@ def shared_caches(shape: tuple[int, ...], layers: int, dtype: torch.dtype = torc
                                 dtype=torch.uint8).view(dtype)
     return {f"model.layers.{i}.attn": storage[i * numel:(i + 1) * numel].view(shape)
             for i in range(layers)}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The project's tiny GQA and MLA models, generated once per test session."""
+    from kvhelper.tiny_models import make_gqa, make_mla
+
+    root = tmp_path_factory.mktemp("models")
+    return {"gqa": make_gqa(root / "gqa"), "mla": make_mla(root / "mla")}

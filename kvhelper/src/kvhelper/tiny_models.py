@@ -1,0 +1,95 @@
+"""Tiny random-weight models generated locally (no model hub): a GQA Llama and an MLA DeepSeek.
+
+They load in vLLM's CPU build in seconds and exercise the same KV layouts as their full-size
+relatives (GQA: 2 KV heads of 64; MLA: a 576-wide latent). Greedy output is meaningless text
+but deterministic, which is what equality tests need.
+
+    python -m kvhelper.tiny_models {gqa,mla} OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+VOCAB = 512
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "prefill computes the prompt and decode generates the answer",
+    "a key value cache holds attention state for every token",
+    "disaggregated serving moves pages between instances",
+] * 50
+
+
+def _tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(_CORPUS, trainer)
+    from tokenizers import decoders
+
+    tokenizer.decoder = decoders.ByteLevel()
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
+                                      bos_token="<s>", eos_token="</s>")
+    wrapped.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}")
+    wrapped.save_pretrained(out)
+
+
+def _common() -> dict[str, Any]:
+    return {"vocab_size": VOCAB, "hidden_size": 128, "intermediate_size": 256,
+            "num_hidden_layers": 2, "max_position_embeddings": 2048, "bos_token_id": 1,
+            "eos_token_id": 2, "torch_dtype": "bfloat16", "tie_word_embeddings": False}
+
+
+def _save(config: Any, model_class: Any, out: Path, seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+
+
+def make_gqa(out: Path, seed: int = 0) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**_common(), num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    _save(config, LlamaForCausalLM, out, seed)
+    _tokenizer(out)
+    return out
+
+
+def make_mla(out: Path, seed: int = 0) -> Path:
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = DeepseekV3Config(
+        **_common(), num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
+        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1,
+        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+        routed_scaling_factor=1.0, rope_scaling=None)
+    _save(config, DeepseekV3ForCausalLM, out, seed)
+    _tokenizer(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Generate a tiny random-weight model.")
+    parser.add_argument("kind", choices=["gqa", "mla"])
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    (make_gqa if args.kind == "gqa" else make_mla)(args.out)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

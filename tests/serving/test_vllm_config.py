@@ -1,0 +1,21 @@
+"""ModelKVSpec from vLLM's own engine config for the tiny models."""
+
+from pathlib import Path
+
+from kvhelper.layout import ModelKVSpec
+from vllm.engine.arg_utils import EngineArgs
+
+
+def spec_for(model: Path) -> ModelKVSpec:
+    config = EngineArgs(model=str(model), enforce_eager=True, max_model_len=512,
+                        block_size=16).create_engine_config()
+    return ModelKVSpec.from_vllm_config(config)
+
+
+def test_spec_from_vllm_config(tiny_models: dict[str, Path]) -> None:
+    mla = spec_for(tiny_models["mla"])
+    assert (mla.use_mla, mla.head_dim, mla.total_kv_heads, mla.cache_dtype, mla.block_size) == (
+        True, 576, 1, "bfloat16", 16)  # latent = kv_lora_rank 512 + rope 64
+    gqa = spec_for(tiny_models["gqa"])
+    assert (gqa.use_mla, gqa.head_dim, gqa.total_kv_heads, gqa.kv_heads_per_rank) == (
+        False, 64, 2, 2)
