@@ -30,9 +30,10 @@ test: $(STAMP) $(SERVING_STAMP)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/serving
 	$(SERVING_VENV)/bin/python -m pytest tests/serving
 
-lint: $(STAMP)
+lint: $(STAMP) $(SERVING_STAMP)
 	$(VENV)/bin/ruff check operator kvhelper tests benchmarks
 	$(VENV)/bin/mypy operator/src
+	$(SERVING_VENV)/bin/mypy kvhelper/src
 
 clean:
 	rm -rf $(VENV) $(SERVING_VENV)

@@ -34,8 +34,8 @@ def _tokenizer(out: Path) -> None:
     from tokenizers import decoders
 
     tokenizer.decoder = decoders.ByteLevel()
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>",
-                                      bos_token="<s>", eos_token="</s>")
+    wrapped = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call,unused-ignore]
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     wrapped.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -70,13 +70,15 @@ def make_mla(out: Path, seed: int = 0) -> Path:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
+    # Read by vLLM's DeepSeek implementation, unknown to transformers' typed signature.
+    vllm_only: dict[str, Any] = {"topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                                 "rope_scaling": None}
     config = DeepseekV3Config(
-        **_common(), num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512,
-        q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        **_common(), **vllm_only, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
+        v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1,
-        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-        routed_scaling_factor=1.0, rope_scaling=None)
+        norm_topk_prob=True, routed_scaling_factor=1.0)
     _save(config, DeepseekV3ForCausalLM, out, seed)
     _tokenizer(out)
     return out
