@@ -5,6 +5,10 @@ STAMP := $(VENV)/.installed
 # kvhelper runs beside vLLM: its tests get their own environment, as the two images do.
 SERVING_VENV := .venv-serving
 SERVING_STAMP := $(SERVING_VENV)/.installed
+# Static-check tools (helm via helm-sdkpy needs Python 3.12), used by tests/static as CLIs.
+PYTHON_TOOLS ?= python3.12
+TOOLS_VENV := .venv-tools
+TOOLS_STAMP := $(TOOLS_VENV)/.installed
 
 .PHONY: run test lint clean
 
@@ -21,12 +25,17 @@ $(SERVING_STAMP): kvhelper/pyproject.toml requirements-serving.txt
 	$(SERVING_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(SERVING_STAMP)
 
+$(TOOLS_STAMP): requirements-tools.txt
+	$(PYTHON_TOOLS) -m venv $(TOOLS_VENV)
+	$(TOOLS_VENV)/bin/pip install --quiet -r requirements-tools.txt
+	touch $(TOOLS_STAMP)
+
 # The main job on the embedded default: the operator reconciles the seed 1P2D DeepSeek-V2-Lite
 # DisaggServing in the embedded API emulator (kubectl apply, wait for Ready, show the result).
 run: $(STAMP)
 	$(VENV)/bin/disagg-operator demo examples/deepseek-v2-lite-1p2d.yaml
 
-test: $(STAMP) $(SERVING_STAMP)
+test: $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/serving
 	$(SERVING_VENV)/bin/python -m pytest tests/serving
 
@@ -36,4 +45,4 @@ lint: $(STAMP) $(SERVING_STAMP)
 	$(SERVING_VENV)/bin/mypy kvhelper/src
 
 clean:
-	rm -rf $(VENV) $(SERVING_VENV)
+	rm -rf $(VENV) $(SERVING_VENV) $(TOOLS_VENV)

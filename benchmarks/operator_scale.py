@@ -147,7 +147,8 @@ async def run(box: Sandbox, etcd: EtcdProcess, count: int, deadline: float,
                 async with session.post(url, json=body(index, etcd.endpoint)) as response:
                     assert response.status < 300, await response.text()
         created = time.perf_counter() - started
-        await wait_for(lambda: ready_count(box) >= count, deadline, f"{count} Ready")
+        await wait_for(lambda: ready_count(box) >= count, deadline, f"{count} Ready",
+                       interval=0.5)
         converged = time.perf_counter() - started
         first_writes = writes(box, mark)
         first_count, first_mean, first_p50 = reconcile_stats(scrape(metrics_port))

@@ -146,15 +146,15 @@ def apply_schema_defaults(schema: dict[str, Any], value: Any) -> Any:
     return value
 
 
-def _plain_schema(schema: Any) -> Any:
+def plain_schema(schema: Any) -> Any:
     """The schema without Kubernetes extensions that JSON Schema would misread."""
     if isinstance(schema, dict):
-        plain = {k: _plain_schema(v) for k, v in schema.items() if not k.startswith("x-")}
+        plain = {k: plain_schema(v) for k, v in schema.items() if not k.startswith("x-")}
         if schema.get("x-kubernetes-int-or-string"):
             plain["type"] = ["integer", "string"]
         return plain
     if isinstance(schema, list):
-        return [_plain_schema(v) for v in schema]
+        return [plain_schema(v) for v in schema]
     return schema
 
 
@@ -266,6 +266,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if request.action == enums.action.CREATE and request.resource.plural == \
                 "customresourcedefinitions" and request.data:
             self.register_crd(request.data)
+            # As the API server does once the new resource is served.
+            key = (request.resource, None, request.data["metadata"]["name"])
+            await self._publish(key, {"status": {"conditions": [
+                {"type": t, "status": "True", "reason": r, "lastTransitionTime": _now(),
+                 "message": m} for t, r, m in (
+                    ("NamesAccepted", "NoConflicts", "no conflicts found"),
+                    ("Established", "InitialNamesAccepted",
+                     "the initial names have been accepted"))]}})
         return response
 
     def _prepare_write(self, request: rendering.Request) -> rendering.Request:
@@ -354,7 +362,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if schema is None:
             return obj
         defaulted = apply_schema_defaults(schema, obj)
-        errors = sorted(jsonschema.Draft4Validator(_plain_schema(schema)).iter_errors(
+        errors = sorted(jsonschema.Draft4Validator(plain_schema(schema)).iter_errors(
             {k: v for k, v in defaulted.items() if k != "metadata"}), key=str)
         if errors:
             first = errors[0]
@@ -390,9 +398,19 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             return
         replicas = int(obj.get("spec", {}).get("replicas", 1))
         count = replicas if ready is None else ready
-        status = {"observedGeneration": obj["metadata"].get("generation", 1),
-                  "replicas": replicas, "updatedReplicas": replicas,
-                  "readyReplicas": count, "availableReplicas": count}
+        status: dict[str, Any] = {
+            "observedGeneration": obj["metadata"].get("generation", 1), "replicas": replicas,
+            "updatedReplicas": replicas, "readyReplicas": count, "availableReplicas": count}
+        # What rollout waiters (kubectl rollout status, helm --wait) look at as well.
+        if plural == "deployments":
+            status["conditions"] = [
+                {"type": "Available", "status": "True" if count >= replicas else "False",
+                 "reason": "MinimumReplicasAvailable"},
+                {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]
+        else:
+            revision = f"{obj['metadata']['name']}-{obj['metadata'].get('generation', 1)}"
+            status.update(currentReplicas=replicas, currentRevision=revision,
+                          updateRevision=revision)
         if (obj.get("status") or {}) != status:
             await self._publish(key, {"status": status})
 
@@ -421,6 +439,13 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     await self._buses[key[0]].put({"type": "DELETED", "object": raw})
 
     # -- reading ----------------------------------------------------------------------------
+
+    @override
+    async def _serve_server_version(self, request: rendering.Request) -> dict[str, Any]:
+        # The Kubernetes version whose API the emulator's behaviour follows (CEL in CRDs, SSA).
+        version = await super()._serve_server_version(request)
+        assert isinstance(version, dict)
+        return {**version, "minor": "32", "gitVersion": "v1.32.0-emulated"}
 
     @override
     def _get_resources(self) -> list[kmock.resource]:
@@ -482,17 +507,40 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         fields = request.params.get("fieldSelector", "")
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request._raw_request)
+        # Watch-list clients (client-go's reflector, helm's waiter) wait for a bookmark that
+        # marks the end of the initial ADDED events.
+        initial = -1
+        if request.params.get("sendInitialEvents") == "true":
+            assert request.resource is not None
+            initial = sum(1 for key in self._keys_of(request.resource)
+                          if not self.objects[key].deleted and request.namespace in (
+                              None, key[1]))
         events: AsyncIterator[Any] = self._serve_watch(request)
         try:
+            if initial == 0:
+                await response.write(self._initial_events_end(request))
             async for event in events:
                 if not isinstance(event, dict):
                     continue
                 obj = event.get("object") or {}
                 if _matches_labels(obj, labels) and _matches_fields(obj, fields):
                     await response.write(json.dumps(event).encode() + b"\n")
+                if initial > 0:
+                    initial -= 1
+                    if initial == 0:
+                        await response.write(self._initial_events_end(request))
         except (ConnectionError, asyncio.CancelledError):
             pass
         return response
+
+    def _initial_events_end(self, request: rendering.Request) -> bytes:
+        assert request.resource is not None
+        bookmark = {"type": "BOOKMARK", "object": {
+            "kind": self._kind(request.resource),
+            "apiVersion": self._api_version(request.resource),
+            "metadata": {"resourceVersion": str(next(self._versions)),
+                         "annotations": {"k8s.io/initial-events-end": "true"}}}}
+        return json.dumps(bookmark).encode() + b"\n"
 
     @staticmethod
     def _wants_table(request: rendering.Request) -> bool:

@@ -24,6 +24,15 @@ NONROOT_UID = 1000
 
 Manifest = dict[str, Any]
 
+# Requests and memory limits for the small components when the spec sets none. No CPU limits:
+# throttling a latency-critical path (proxy, master RPCs) costs more than it protects.
+DEFAULT_RESOURCES: dict[str, dict[str, Any]] = {
+    "etcd": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+    "mooncake-master": {"requests": {"cpu": "200m", "memory": "256Mi"},
+                        "limits": {"memory": "2Gi"}},
+    "proxy": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+}
+
 _APP_NAMES = {"prefill": "vllm", "decode": "vllm", "proxy": "disagg-proxy",
               "mooncake-master": "mooncake-master", "etcd": "etcd"}
 
@@ -209,10 +218,11 @@ def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
             containers.append(side)
         compat = plans.compatibility_labels(spec)
         annotations[ANNOTATION_COMPAT] = ",".join(f"{k}={v}" for k, v in compat.items())
-    elif role == "proxy" and spec.proxy.resources:
-        main["resources"] = copy.deepcopy(spec.proxy.resources)
-    elif role == "mooncake-master" and spec.mooncake_master.resources:
-        main["resources"] = copy.deepcopy(spec.mooncake_master.resources)
+    elif role == "proxy":
+        main["resources"] = copy.deepcopy(spec.proxy.resources or DEFAULT_RESOURCES[role])
+    elif role == "mooncake-master":
+        main["resources"] = copy.deepcopy(spec.mooncake_master.resources
+                                          or DEFAULT_RESOURCES[role])
 
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
@@ -275,8 +285,7 @@ def _render_etcd(owner: Owner, spec: DisaggServingSpec,
     main["volumeMounts"] = [{"name": "data", "mountPath": "/var/lib/etcd"}]
     main["readinessProbe"] = _probe(component.main, period=5, failures=3)
     main["livenessProbe"] = _probe(component.main, period=15, failures=4)
-    if etcd.resources:
-        main["resources"] = copy.deepcopy(etcd.resources)
+    main["resources"] = copy.deepcopy(etcd.resources or DEFAULT_RESOURCES["etcd"])
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,

@@ -1,0 +1,107 @@
+"""The Helm chart: lint, versions in step, and a real `helm install` (Helm's Go SDK) into the
+API emulator, cluster-wide and for a list of namespaces."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import disagg_operator
+import yaml
+from disagg_operator.crd import render_crd_yaml
+from disagg_operator.sandbox import Sandbox
+
+from .conftest import CHART, ROOT, helm_install, run, stored
+
+
+def chart_meta() -> dict[str, Any]:
+    return yaml.safe_load((CHART / "Chart.yaml").read_text())
+
+
+def test_chart_and_operator_versions_are_in_step() -> None:
+    package = tomllib.loads((ROOT / "operator" / "pyproject.toml").read_text())
+    version = package["project"]["version"]
+    assert chart_meta()["version"] == chart_meta()["appVersion"] == version
+    assert disagg_operator.__version__ == version
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["servingImage"].endswith(f":{version}")
+
+
+def test_chart_installs_the_generated_crd_not_a_copy() -> None:
+    chart_crd = CHART / "crds" / "disaggserving.yaml"
+    assert chart_crd.is_symlink()
+    assert chart_crd.resolve() == (ROOT / "crds" / "disaggserving.yaml").resolve()
+    assert chart_crd.read_text() == render_crd_yaml()
+
+
+def test_helm_lint(tools: Path) -> None:
+    result = run(tools / "python", ROOT / "tests/static/helm_action.py", "lint", CHART)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["Errors"] is None
+    # Severity 1 is INFO (e.g. "icon is recommended"); 2 WARNING, 3 ERROR.
+    assert [m for m in report["Messages"] if m["Severity"] > 1] == []
+
+
+async def test_helm_install_cluster_wide(cluster: Sandbox, tools: Path) -> None:
+    release = await helm_install(cluster, tools)
+    assert release["info"]["status"] == "deployed"
+    assert "kubectl wait --for=condition=Ready" in release["info"]["notes"]
+
+    (crd,) = stored(cluster, "customresourcedefinitions")
+    assert crd["metadata"]["name"] == "disaggservings.serving.disagg.dev"
+    roles = {r["metadata"]["name"]: r for r in stored(cluster, "clusterroles")}
+    assert set(roles) == {"disagg-disagg-operator", "disagg-disagg-operator-discovery"}
+    assert stored(cluster, "roles") == []
+    rules = roles["disagg-disagg-operator"]["rules"]
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
+    granted = {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"]
+               for v in r["verbs"]}
+    assert ("", "secrets", "get") not in granted  # the operator never reads Secrets
+    assert ("apps", "deployments", "patch") in granted
+    assert ("serving.disagg.dev", "disaggservings/status", "patch") in granted
+
+    (deployment,) = stored(cluster, "deployments")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["image"] == "disagg-operator/operator:0.1.0"
+    assert not any(a.startswith("--namespace") for a in container["args"])
+    (service,) = stored(cluster, "services")
+    assert service["spec"]["ports"][0]["name"] == "metrics"
+
+
+async def test_helm_install_for_listed_namespaces(cluster: Sandbox, tools: Path) -> None:
+    await helm_install(cluster, tools, {"watchNamespaces": ["team-a", "team-b"],
+                                        "servingImage": "registry.example/serving:9"})
+    roles = stored(cluster, "roles")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    bindings = stored(cluster, "rolebindings")
+    assert {b["subjects"][0]["namespace"] for b in bindings} == {"disagg-system"}
+    # Only the read-only discovery role stays cluster-wide.
+    (cluster_role,) = stored(cluster, "clusterroles")
+    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
+                                      "resources": ["customresourcedefinitions"],
+                                      "verbs": ["list", "watch"]}]
+    (deployment,) = stored(cluster, "deployments")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert "--namespace=team-a" in container["args"]
+    assert container["env"] == [{"name": "DISAGG_DEFAULT_IMAGE",
+                                 "value": "registry.example/serving:9"}]
+
+
+async def test_helm_install_rejects_bad_values(cluster: Sandbox, tools: Path) -> None:
+    env = {**cluster.env, "HELM_DRIVER": "memory"}
+    result = await asyncio.to_thread(
+        run, tools / "python", ROOT / "tests/static/helm_action.py", "install",
+        cluster.kubeconfig, "disagg-system", "disagg", CHART,
+        json.dumps({"watchNamespaces": ["Not_A_Namespace"]}), env=env, timeout=120)
+    assert result.returncode != 0
+    assert "watchNamespaces" in result.stderr
+    assert stored(cluster, "deployments") == []
