@@ -6,7 +6,8 @@ STAMP := $(VENV)/.installed
 SERVING_VENV := .venv-serving
 SERVING_STAMP := $(SERVING_VENV)/.installed
 # Static-check tools (helm via helm-sdkpy needs Python 3.12), used by tests/static as CLIs.
-PYTHON_TOOLS ?= python3.12
+PYTHON_TOOLS ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python3.12 \
+	$(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 
