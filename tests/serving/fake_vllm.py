@@ -1,0 +1,111 @@
+"""A test double of vLLM's OpenAI server (named as such): the HTTP behaviour the proxy relies on,
+including `kv_transfer_params` and SSE streaming, with switches for failures. The real vLLM is
+used by the connector and end-to-end tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class FakeVLLM:
+    name: str
+    port: int = field(default_factory=free_port)
+    tokens: int = 4  # streamed chunks per decode
+    token_delay: float = 0.0
+    prefill_delay: float = 0.0
+    fail_status: int | None = None  # answer every completion with this error status
+    die_after_tokens: int | None = None  # drop the connection mid-stream
+    healthy: bool = True
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[Any] = field(default_factory=list)  # case-insensitive mappings
+    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> FakeVLLM:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.headers.append(request.headers.copy())
+        if self.fail_status is not None:
+            return web.json_response({"error": {"message": f"{self.name} refuses",
+                                                "type": "BadRequestError",
+                                                "code": self.fail_status}},
+                                     status=self.fail_status)
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):  # prefill: keep KV, tell decode where it is
+            try:
+                await asyncio.sleep(self.prefill_delay)
+            except asyncio.CancelledError:
+                self.aborted.set()
+                raise
+            return web.json_response({
+                "id": "cmpl-p", "object": "text_completion",
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": self.name,
+                                       "remote_block_ids": [1, 2, 3], "remote_host": "h",
+                                       "remote_port": 1}})
+        loaded = "loaded" if params.get("do_remote_prefill") else "recomputed"
+        if not body.get("stream"):
+            if self.die_after_tokens is not None:
+                assert request.transport is not None
+                request.transport.close()
+                return web.Response()
+            return web.json_response({
+                "id": "cmpl-d", "object": "text_completion",
+                "choices": [{"index": 0, "text": f"{self.name} {loaded}",
+                             "finish_reason": "length"}]})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(self.tokens):
+                if self.die_after_tokens is not None and i == self.die_after_tokens:
+                    assert request.transport is not None
+                    request.transport.close()  # the instance dies mid-stream
+                    return response
+                chunk = {"choices": [{"index": 0, "text": f"t{i} "}]}
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await asyncio.sleep(self.token_delay)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted.set()  # what vLLM does on a client disconnect: abort the request
+            raise
+        return response

@@ -1,0 +1,239 @@
+"""The XpYd proxy against test doubles of vLLM's OpenAI server (tests/serving/fake_vllm.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from disagg_operator.waiting import wait_for
+from kvhelper.discovery import StaticDiscovery
+from kvhelper.instances import Instance
+from kvhelper.proxy.app import Proxy, ProxyConfig
+from kvhelper.proxy.pool import Pool
+
+from .fake_vllm import FakeVLLM, free_port
+
+StartProxy = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[Callable[..., Awaitable[FakeVLLM]]]:
+    started: list[FakeVLLM] = []
+
+    async def start(name: str, **kwargs: Any) -> FakeVLLM:
+        fake = await FakeVLLM(name, **kwargs).start()
+        started.append(fake)
+        return fake
+
+    yield start
+    for fake in started:
+        await fake.stop()
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[StartProxy]:
+    runners: list[web.AppRunner] = []
+
+    async def start(prefill: list[str], decode: list[str], discovery: Any = None,
+                    **config: Any) -> str:
+        config.setdefault("health_interval", 60.0)  # no ejection unless a test wants it
+        proxy = Proxy(ProxyConfig(**config), discovery or StaticDiscovery(prefill, decode))
+        runner = web.AppRunner(proxy.app(), handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+async def post(url: str, body: Any, headers: dict[str, str] | None = None,
+               raw: bytes | None = None) -> tuple[int, Any, bytes]:
+    async with aiohttp.ClientSession() as session, session.post(
+            url, data=raw if raw is not None else json.dumps(body),
+            headers={"Content-Type": "application/json", **(headers or {})}) as response:
+        return response.status, response.headers.copy(), await response.read()
+
+
+async def test_prefill_gets_one_token_and_decode_gets_the_kv_params(backends, start_proxy):
+    prefill, decode = await backends("p0"), await backends("d0")
+    proxy = await start_proxy([prefill.url], [decode.url])
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "min_tokens": 2,
+            "stream_options": {"include_usage": True}, "temperature": 0}
+    status, headers, raw = await post(f"{proxy}/v1/completions", body,
+                                      {"X-Request-Id": "req-42"})
+    assert status == 200, raw
+    assert json.loads(raw)["choices"][0]["text"] == "d0 loaded"
+    (sent_to_prefill,) = prefill.requests
+    assert sent_to_prefill["max_tokens"] == 1 and sent_to_prefill["stream"] is False
+    assert "stream_options" not in sent_to_prefill and "min_tokens" not in sent_to_prefill
+    assert sent_to_prefill["kv_transfer_params"]["do_remote_decode"] is True
+    (sent_to_decode,) = decode.requests
+    assert sent_to_decode["max_tokens"] == 5 and sent_to_decode["min_tokens"] == 2
+    assert sent_to_decode["kv_transfer_params"]["remote_engine_id"] == "p0"
+    assert prefill.headers[0]["X-Request-Id"] == decode.headers[0]["X-Request-Id"] == "req-42"
+    assert headers["X-Request-Id"] == "req-42"
+
+
+async def test_chat_streaming_is_passed_through(backends, start_proxy):
+    prefill, decode = await backends("p0"), await backends("d0", tokens=3)
+    proxy = await start_proxy([prefill.url], [decode.url])
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 3, "stream": True}
+    status, headers, raw = await post(f"{proxy}/v1/chat/completions", body)
+    assert status == 200
+    assert headers["Content-Type"].startswith("text/event-stream")
+    events = [line for line in raw.decode().split("\n\n") if line]
+    assert events[-1] == "data: [DONE]" and len(events) == 4
+    assert prefill.requests[0]["max_completion_tokens"] == 1
+    assert decode.requests[0]["max_completion_tokens"] == 3
+    assert headers["X-Request-Id"].startswith("disagg-")
+
+
+async def test_refused_prefill_is_retried_once_on_another(backends, start_proxy):
+    live, decode = await backends("p1"), await backends("d0")
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = await start_proxy([dead, live.url], [decode.url])
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200, raw
+    assert len(live.requests) == 1
+
+
+async def test_every_failure_is_an_http_error_with_a_json_body(backends, start_proxy):
+    refusing_prefill = await backends("p0", fail_status=400)
+    failing_decode = await backends("d0", fail_status=500)
+    ok_prefill = await backends("p1")
+    dead = f"http://127.0.0.1:{free_port()}"
+    cases = [
+        ([refusing_prefill.url], [failing_decode.url], 400, "p0 refuses"),
+        ([ok_prefill.url], [failing_decode.url], 500, "d0 refuses"),
+        ([ok_prefill.url], [dead], 502, "refused the connection"),
+        ([dead], [failing_decode.url], 502, "refused the connection"),
+    ]
+    for prefill, decode, code, text in cases:
+        proxy = await start_proxy(prefill, decode)
+        status, headers, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+        assert status == code, raw
+        assert headers["Content-Type"].startswith("application/json")
+        assert text in json.loads(raw)["error"]["message"]
+
+
+async def test_bad_bodies_get_4xx_json(backends, start_proxy):
+    prefill, decode = await backends("p0"), await backends("d0")
+    proxy = await start_proxy([prefill.url], [decode.url], max_body_bytes=1024)
+    for raw, code in ((b"{not json", 400), (b"[1, 2]", 400), (b'{"stream": "yes"}', 400),
+                      (b'{"prompt": "' + b"x" * 4096 + b'"}', 413)):
+        status, _, body = await post(f"{proxy}/v1/completions", None, raw=raw)
+        assert status == code, body
+        assert json.loads(body)["error"]["code"] == code
+    assert prefill.requests == [] and decode.requests == []
+
+
+async def test_decode_dying_mid_stream_ends_the_stream_with_an_error(backends, start_proxy):
+    prefill, decode = await backends("p0"), await backends("d0", tokens=10, die_after_tokens=2)
+    proxy = await start_proxy([prefill.url], [decode.url])
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x", "stream": True})
+    assert status == 200  # the headers were sent before decode died
+    text = raw.decode()
+    assert "t1" in text and "[DONE]" not in text and '"code": 502' in text
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    assert status == 502 and "decode instance" in json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+async def test_client_disconnect_aborts_the_instance_request(backends, start_proxy, phase):
+    prefill = await backends("p0", prefill_delay=30.0 if phase == "prefill" else 0.0)
+    decode = await backends("d0", tokens=100, token_delay=0.2)
+    proxy = await start_proxy([prefill.url], [decode.url])
+    target = prefill if phase == "prefill" else decode
+    async with aiohttp.ClientSession() as session:
+        if phase == "decode":
+            response = await session.post(f"{proxy}/v1/completions",
+                                          json={"prompt": "x", "stream": True})
+            await response.content.readuntil(b"\n\n")  # one token arrived, then we leave
+            response.close()
+        else:
+            pending = asyncio.create_task(session.post(f"{proxy}/v1/completions",
+                                                       json={"prompt": "x", "stream": True}))
+            await wait_for(lambda: prefill.requests, 10, "prefill to start")
+            pending.cancel()  # the client gives up while prefill runs
+    await asyncio.wait_for(target.aborted.wait(), 10)
+    assert phase == "decode" or decode.requests == []  # nothing was sent on to decode
+
+
+async def test_unhealthy_instances_are_ejected_and_readmitted(backends, start_proxy):
+    prefill = await backends("p0")
+    good, bad = await backends("d0"), await backends("d1", healthy=False)
+    proxy = await start_proxy([prefill.url], [good.url, bad.url], health_interval=0.1,
+                              eject_after=1)
+
+    async def instances() -> dict[str, bool]:
+        async with aiohttp.ClientSession() as session, session.get(
+                f"{proxy}/instances") as response:
+            return {i["url"]: i["healthy"] for i in await response.json()}
+
+    state: dict[str, bool] = {}
+
+    async def refresh() -> None:
+        state.update(await instances())
+
+    for _ in range(100):
+        await refresh()
+        if state.get(bad.url) is False:
+            break
+        await asyncio.sleep(0.05)
+    assert state == {prefill.url: True, good.url: True, bad.url: False}
+    for _ in range(4):
+        assert (await post(f"{proxy}/v1/completions", {"prompt": "x"}))[0] == 200
+    assert len(good.requests) == 4 and bad.requests == []
+    bad.healthy = True
+    for _ in range(100):
+        await refresh()
+        if state.get(bad.url):
+            break
+        await asyncio.sleep(0.05)
+    assert state[bad.url] is True
+
+
+async def test_health_and_metrics_endpoints(backends, start_proxy):
+    prefill, decode = await backends("p0"), await backends("d0")
+    proxy = await start_proxy([prefill.url], [decode.url])
+    await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{proxy}/health") as response:
+            assert response.status == 200
+            assert (await response.json())["healthy"] == {"prefill": 1, "decode": 1}
+        async with session.get(f"{proxy}/metrics") as response:
+            text = await response.text()
+        async with session.get(f"{proxy}/v1/models") as response:
+            assert (await response.json())["data"][0]["id"] == "tiny"
+    assert 'disagg_proxy_requests_total{code="200",endpoint="/v1/completions"} 1.0' in text
+    assert "disagg_proxy_phase_seconds_count" in text
+
+
+def test_routing_policies_and_fingerprint_pairing() -> None:
+    def inst(name: str, role: str, fingerprint: str = "") -> Instance:
+        return Instance(id=name, role=role, url=f"http://{name}", model="m",  # type: ignore[arg-type]
+                        fingerprint=fingerprint)
+
+    pool = Pool(routing="round-robin")
+    pool.update({"a": inst("a", "decode", "F1"), "b": inst("b", "decode", "F2"),
+                 "c": inst("c", "decode", "F1")})
+    assert [pool.pick("decode").url for _ in range(3)] == ["http://a", "http://b", "http://c"]
+    assert {pool.pick("decode", "F1").url for _ in range(4)} == {"http://a", "http://c"}
+    assert pool.pick("decode", "F3") is None
+    least = Pool(routing="least-outstanding")
+    least.update({"a": inst("a", "decode"), "b": inst("b", "decode")})
+    least.backends["a"].outstanding = 3
+    assert least.pick("decode").url == "http://b"
+    kept = least.backends["a"]
+    least.update({"a": inst("a", "decode")})
+    assert least.backends["a"] is kept  # membership updates keep health and load state
