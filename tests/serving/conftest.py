@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from aiohttp import web
+from kvhelper.discovery import StaticDiscovery
 from kvhelper.layout import ModelKVSpec
+from kvhelper.proxy.app import Proxy, ProxyConfig
+
+from .fake_vllm import FakeVLLM, free_port
+
+StartProxy = Callable[..., Awaitable[str]]
 
 
 def gqa_spec(heads: int = 2, head_dim: int = 64, block: int = 16, tp: int = 1,
@@ -44,3 +53,37 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("models")
     return {"gqa": make_gqa(root / "gqa"), "mla": make_mla(root / "mla")}
+
+
+@pytest.fixture
+async def backends() -> AsyncIterator[Callable[..., Awaitable[FakeVLLM]]]:
+    started: list[FakeVLLM] = []
+
+    async def start(name: str, **kwargs: Any) -> FakeVLLM:
+        fake = await FakeVLLM(name, **kwargs).start()
+        started.append(fake)
+        return fake
+
+    yield start
+    for fake in started:
+        await fake.stop()
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[StartProxy]:
+    runners: list[web.AppRunner] = []
+
+    async def start(prefill: list[str], decode: list[str], discovery: Any = None,
+                    **config: Any) -> str:
+        config.setdefault("health_interval", 60.0)  # no ejection unless a test wants it
+        proxy = Proxy(ProxyConfig(**config), discovery or StaticDiscovery(prefill, decode))
+        runner = web.AppRunner(proxy.app(), handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()

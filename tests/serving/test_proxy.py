@@ -4,55 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from disagg_operator.waiting import wait_for
-from kvhelper.discovery import StaticDiscovery
 from kvhelper.instances import Instance
-from kvhelper.proxy.app import Proxy, ProxyConfig
 from kvhelper.proxy.pool import Pool
 
-from .fake_vllm import FakeVLLM, free_port
-
-StartProxy = Callable[..., Awaitable[str]]
-
-
-@pytest.fixture
-async def backends() -> AsyncIterator[Callable[..., Awaitable[FakeVLLM]]]:
-    started: list[FakeVLLM] = []
-
-    async def start(name: str, **kwargs: Any) -> FakeVLLM:
-        fake = await FakeVLLM(name, **kwargs).start()
-        started.append(fake)
-        return fake
-
-    yield start
-    for fake in started:
-        await fake.stop()
-
-
-@pytest.fixture
-async def start_proxy() -> AsyncIterator[StartProxy]:
-    runners: list[web.AppRunner] = []
-
-    async def start(prefill: list[str], decode: list[str], discovery: Any = None,
-                    **config: Any) -> str:
-        config.setdefault("health_interval", 60.0)  # no ejection unless a test wants it
-        proxy = Proxy(ProxyConfig(**config), discovery or StaticDiscovery(prefill, decode))
-        runner = web.AppRunner(proxy.app(), handler_cancellation=True)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{port}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
+from .fake_vllm import free_port
 
 
 async def post(url: str, body: Any, headers: dict[str, str] | None = None,

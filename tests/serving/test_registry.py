@@ -1,0 +1,183 @@
+"""Registrations in a real etcd follow instance health; the proxy's view follows etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aetcd
+import pytest
+from disagg_operator.etcd_process import EtcdProcess
+from disagg_operator.waiting import wait_for
+from kvhelper.discovery import EtcdDiscovery
+from kvhelper.instances import Instance
+from kvhelper.registry import Registrar, RegistrarConfig
+
+from .fake_vllm import FakeVLLM
+
+PREFIX = "/disagg/test/dsv/instances/"
+
+
+@pytest.fixture
+async def etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
+    proc = await EtcdProcess(tmp_path / "etcd").start()
+    yield proc
+    proc.stop()
+
+
+class Background:
+    """Tasks started by a test, cancelled at its end."""
+
+    def __init__(self) -> None:
+        self.tasks: list[asyncio.Task[Any]] = []
+
+    def start(self, coro: Any) -> asyncio.Task[Any]:
+        task = asyncio.create_task(coro)
+        self.tasks.append(task)
+        return task
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for task in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+@pytest.fixture
+async def background() -> AsyncIterator[Background]:
+    tasks = Background()
+    yield tasks
+    await tasks.close()
+
+
+def registrar_for(fake: FakeVLLM, role: str, etcd: EtcdProcess, ttl: int = 2) -> Registrar:
+    instance = Instance(id=fake.name, role=role, url=fake.url, model="tiny",  # type: ignore[arg-type]
+                        fingerprint="fp1")
+    return Registrar(RegistrarConfig(
+        instance=instance, health_url=f"{fake.url}/health",
+        etcd=[("127.0.0.1", etcd.client_port)], prefix=PREFIX, ttl=ttl, interval=0.2,
+        unhealthy_after=2))
+
+
+def follow(etcd: EtcdProcess, background: Background) -> dict[str, Instance]:
+    view: dict[str, Instance] = {}
+
+    def update(instances: dict[str, Instance]) -> None:
+        view.clear()
+        view.update(instances)
+
+    discovery = EtcdDiscovery([("127.0.0.1", etcd.client_port)], PREFIX,
+                              backoff=(0.1, 0.2, 0.5))
+    background.start(discovery.run(update, asyncio.Event()))
+    return view
+
+
+def urls(view: dict[str, Instance]) -> set[str]:
+    return {i.url for i in view.values()}
+
+
+async def test_registration_follows_health_and_stop(etcd, background) -> None:
+    fake = await FakeVLLM("d0", healthy=False).start()
+    try:
+        view = follow(etcd, background)
+        stop = asyncio.Event()
+        registrar = background.start(registrar_for(fake, "decode", etcd).run(stop))
+        await asyncio.sleep(0)
+        assert view == {}  # not registered while /health fails
+        fake.healthy = True
+        await wait_for(lambda: urls(view) == {fake.url}, 10, "the registration")
+        (instance,) = view.values()
+        assert (instance.role, instance.fingerprint) == ("decode", "fp1")
+        fake.healthy = False
+        await wait_for(lambda: view == {}, 10, "withdrawal after failed health checks")
+        fake.healthy = True
+        await wait_for(lambda: urls(view) == {fake.url}, 10, "re-registration")
+        stop.set()  # SIGTERM in the CLI
+        await asyncio.wait_for(registrar, 10)
+        await wait_for(lambda: view == {}, 2, "withdrawal on stop (revoked, not expired)")
+    finally:
+        await fake.stop()
+
+
+async def test_a_crashed_registrar_expires_with_its_lease(etcd, background) -> None:
+    fake = await FakeVLLM("p0").start()
+    try:
+        view = follow(etcd, background)
+        registrar = background.start(registrar_for(fake, "prefill", etcd, ttl=2).run(
+            asyncio.Event()))
+        await wait_for(lambda: urls(view) == {fake.url}, 10, "the registration")
+        registrar.cancel()  # dies without revoking anything
+        crashed = time.monotonic()
+        await wait_for(lambda: view == {}, 10, "the lease to expire")
+        assert time.monotonic() - crashed >= 0.5  # removed by expiry, not by a goodbye
+    finally:
+        await fake.stop()
+
+
+async def test_discovery_and_registration_survive_an_etcd_restart(etcd, background) -> None:
+    fake = await FakeVLLM("d0").start()
+    try:
+        view = follow(etcd, background)
+        background.start(registrar_for(fake, "decode", etcd, ttl=5).run(asyncio.Event()))
+        await wait_for(lambda: urls(view) == {fake.url}, 10, "the registration")
+        etcd.stop()
+        await etcd.start()  # same ports and data directory
+        async with aetcd.Client(host="127.0.0.1", port=etcd.client_port) as client:
+            late = Instance(id="late", role="prefill", url="http://late:8000", model="tiny")
+            await client.put(late.key(PREFIX).encode(), late.to_json())
+        await wait_for(lambda: urls(view) == {fake.url, "http://late:8000"}, 20,
+                       "discovery to reconnect and see both instances")
+    finally:
+        await fake.stop()
+
+
+@pytest.mark.parametrize(("module", "args", "message"), [
+    ("kvhelper.registry", ["--role", "decode", "--url", "u", "--health-url", "h", "--model",
+                           "m", "--etcd", "no-port", "--prefix", "/p/"], "--etcd"),
+    ("kvhelper.registry", ["--role", "decode", "--url", "u", "--health-url", "h", "--model",
+                           "m", "--etcd", "e:1", "--prefix", "/p/", "--ttl", "2",
+                           "--interval", "5"], "--interval must be shorter"),
+    ("kvhelper.proxy", [], "either --etcd"),
+    ("kvhelper.proxy", ["--etcd", "e:1"], "--etcd needs --prefix"),
+])
+def test_command_lines_refuse_bad_flags(module: str, args: list[str], message: str) -> None:
+    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+async def test_proxy_routes_to_registered_instances_only(etcd, background, backends,
+                                                         start_proxy) -> None:
+    from kvhelper.discovery import EtcdDiscovery as Discovery
+
+    from .test_proxy import post
+
+    prefill, decode = await backends("p0"), await backends("d0")
+    background.start(registrar_for(prefill, "prefill", etcd).run(asyncio.Event()))
+    decode_registrar = background.start(registrar_for(decode, "decode", etcd).run(
+        asyncio.Event()))
+    discovery = Discovery([("127.0.0.1", etcd.client_port)], PREFIX, backoff=(0.1,))
+    proxy = await start_proxy([], [], discovery=discovery)
+
+    async def status() -> int:
+        return (await post(f"{proxy}/v1/completions", {"prompt": "x"}))[0]
+
+    deadline = time.monotonic() + 10
+    while await status() != 200:
+        assert time.monotonic() < deadline, "the proxy never saw both registrations"
+        await asyncio.sleep(0.1)
+    assert decode.requests and decode.requests[-1]["kv_transfer_params"]["remote_engine_id"] \
+        == "p0"
+    decode_registrar.cancel()  # the decode pod crashes
+    deadline = time.monotonic() + 10
+    while await status() != 503:
+        assert time.monotonic() < deadline, "the expired decode stayed in the pool"
+        await asyncio.sleep(0.2)
