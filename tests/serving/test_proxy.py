@@ -197,3 +197,32 @@ def test_routing_policies_and_fingerprint_pairing() -> None:
     kept = least.backends["a"]
     least.update({"a": inst("a", "decode")})
     assert least.backends["a"] is kept  # membership updates keep health and load state
+
+
+async def test_phase_timeouts_and_the_concurrency_limit(backends, start_proxy):
+    slow_prefill = await backends("p0", prefill_delay=5.0)
+    decode = await backends("d0", tokens=50, token_delay=0.1)
+    proxy = await start_proxy([slow_prefill.url], [decode.url], prefill_timeout=0.3)
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    assert status == 504 and "did not answer within 0.3s" in json.loads(raw)["error"]["message"]
+
+    fast_prefill = await backends("p1")
+    limited = await start_proxy([fast_prefill.url], [decode.url], max_concurrency=1)
+    async with aiohttp.ClientSession() as session:
+        first = await session.post(f"{limited}/v1/completions",
+                                   json={"prompt": "x", "stream": True})
+        await first.content.readuntil(b"\n\n")  # the only slot is taken
+        status, _, raw = await post(f"{limited}/v1/completions", {"prompt": "y"})
+        first.close()
+    assert status == 429 and json.loads(raw)["error"]["type"] == "rate_limit_error"
+
+
+def test_flags_come_from_the_environment_too(monkeypatch) -> None:
+    from kvhelper.proxy.__main__ import parse_args
+
+    monkeypatch.setenv("DISAGG_PROXY_PREFILL", "p1:8000,p2:8000")
+    monkeypatch.setenv("DISAGG_PROXY_DECODE", "d1:8000")
+    monkeypatch.setenv("DISAGG_PROXY_DECODE_TIMEOUT", "900")
+    args = parse_args(["--routing", "least-outstanding"])
+    assert args.prefill == ["p1:8000", "p2:8000"] and args.decode == ["d1:8000"]
+    assert args.decode_timeout == 900.0 and args.routing == "least-outstanding"

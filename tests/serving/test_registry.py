@@ -181,3 +181,23 @@ async def test_proxy_routes_to_registered_instances_only(etcd, background, backe
     while await status() != 503:
         assert time.monotonic() < deadline, "the expired decode stayed in the pool"
         await asyncio.sleep(0.2)
+
+
+async def test_registrar_process_withdraws_on_sigterm(etcd, background, tmp_path) -> None:
+    fake = await FakeVLLM("d9").start()
+    view = follow(etcd, background)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvhelper.registry", "--role", "decode", "--url", fake.url,
+        "--health-url", f"{fake.url}/health", "--model", "tiny",
+        "--etcd", f"127.0.0.1:{etcd.client_port}", "--prefix", PREFIX, "--id", "d9",
+        "--ttl", "30", "--interval", "0.2")
+    try:
+        await wait_for(lambda: urls(view) == {fake.url}, 30, "the registration")
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        # Withdrawn at once, not after the 30 s lease TTL.
+        await wait_for(lambda: view == {}, 5, "withdrawal on SIGTERM")
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await fake.stop()

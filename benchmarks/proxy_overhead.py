@@ -1,0 +1,152 @@
+"""Benchmark: the latency the proxy adds and the request rate one proxy process sustains.
+
+Instant backends (a minimal vLLM-like server in its own process) answer prefill and decode.
+Measured in one run: p50/p99 latency calling the decode backend directly vs through the proxy
+(which also makes the prefill call), one request at a time over N requests each; then the
+proxy's throughput at a fixed concurrency for a fixed number of requests, with the proxy pinned
+to one core (taskset) and the backend and load generator on the other. Bounded by --requests.
+
+    .venv-serving/bin/python benchmarks/proxy_overhead.py --requests 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import aiohttp
+from aiohttp import web
+
+PREFILL_ANSWER = {"choices": [{"index": 0, "text": "x"}],
+                  "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "b",
+                                         "remote_block_ids": [1], "remote_host": "h",
+                                         "remote_port": 1}}
+DECODE_ANSWER = {"choices": [{"index": 0, "text": "hello world"}]}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def serve_backend(port: int) -> None:
+    async def complete(request: web.Request) -> web.Response:
+        body = await request.json()
+        remote = (body.get("kv_transfer_params") or {}).get("do_remote_decode")
+        return web.json_response(PREFILL_ANSWER if remote else DECODE_ANSWER)
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+async def wait_up(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(url) as response:
+                    if response.status in (200, 503):
+                        return
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not come up")
+            await asyncio.sleep(0.1)
+
+
+async def latencies(url: str, count: int, body: dict[str, object]) -> list[float]:
+    times = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(count):
+            started = time.perf_counter()
+            async with session.post(url, json=body) as response:
+                await response.read()
+                assert response.status == 200, response.status
+            times.append(time.perf_counter() - started)
+    return sorted(times)
+
+
+async def throughput(url: str, count: int, concurrency: int) -> float:
+    remaining = count
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def worker() -> None:
+            nonlocal remaining
+            while remaining > 0:
+                remaining -= 1
+                async with session.post(url, json={"prompt": "x", "max_tokens": 4}) as r:
+                    await r.read()
+                    assert r.status == 200, r.status
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return count / (time.perf_counter() - started)
+
+
+def pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+
+def pinned(cpu: int, command: list[str]) -> list[str]:
+    if shutil.which("taskset") and (os.cpu_count() or 1) > 1:
+        return ["taskset", "-c", str(cpu), *command]
+    return command
+
+
+async def main(requests: int, concurrency: int) -> None:
+    backend_port, proxy_port = free_port(), free_port()
+    backend = subprocess.Popen(pinned(1, [sys.executable, __file__, "--serve-backend",
+                                          str(backend_port)]))
+    backend_addr = f"127.0.0.1:{backend_port}"
+    proxy = subprocess.Popen(pinned(0, [
+        sys.executable, "-m", "kvhelper.proxy", "--host", "127.0.0.1", "--port", str(proxy_port),
+        "--prefill", backend_addr, "--decode", backend_addr]), stderr=subprocess.DEVNULL)
+    try:
+        await wait_up(f"http://{backend_addr}/health")
+        await wait_up(f"http://127.0.0.1:{proxy_port}/health")
+        body = {"prompt": "x", "max_tokens": 4}
+        direct_body = {**body, "kv_transfer_params": PREFILL_ANSWER["kv_transfer_params"]}
+        direct_url = f"http://{backend_addr}/v1/completions"
+        proxy_url = f"http://127.0.0.1:{proxy_port}/v1/completions"
+        await latencies(direct_url, 200, direct_body)  # warm up both paths
+        await latencies(proxy_url, 200, body)
+        direct = await latencies(direct_url, requests, direct_body)
+        through = await latencies(proxy_url, requests, body)
+        rate = await throughput(proxy_url, requests * 2, concurrency)
+        print(f"requests per measurement: {requests} (one at a time)")
+        print(f"decode backend directly:  p50 {pct(direct, 0.5):.3f} ms  "
+              f"p99 {pct(direct, 0.99):.3f} ms")
+        print(f"through the proxy:        p50 {pct(through, 0.5):.3f} ms  "
+              f"p99 {pct(through, 0.99):.3f} ms  (prefill + decode calls)")
+        print(f"added by the proxy:       p50 {pct(through, 0.5) - pct(direct, 0.5):.3f} ms  "
+              f"p99 {pct(through, 0.99) - pct(direct, 0.99):.3f} ms  (target p50 < 1 ms)")
+        print(f"proxy throughput:         {rate:.0f} requests/s at concurrency {concurrency}, "
+              f"{requests * 2} requests, proxy pinned to one core (target >= 2000/s)")
+    finally:
+        for proc in (proxy, backend):
+            proc.terminate()
+            proc.wait(10)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_backend:
+        serve_backend(args.serve_backend)
+    else:
+        asyncio.run(main(args.requests, args.concurrency))
