@@ -20,6 +20,10 @@ $(STAMP): operator/pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 $(SERVING_STAMP): kvhelper/pyproject.toml operator/pyproject.toml requirements-serving.txt
+	@# Mooncake's transfer engine links libibverbs even for TCP.
+	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] \
+		&& apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; } \
+		|| { echo "Mooncake needs libibverbs1: apt-get install libibverbs1" >&2; exit 1; }
 	$(PYTHON) -m venv $(SERVING_VENV)
 	$(SERVING_VENV)/bin/pip install --quiet -r requirements-serving.txt -e kvhelper
 	# Test helpers only (etcd process, waiting); without its dependencies, so no kopf.
@@ -40,7 +44,8 @@ run: $(STAMP)
 
 test: $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/serving
-	$(SERVING_VENV)/bin/python -m pytest tests/serving
+	@# Mooncake listens on every interface: its tests run in a network namespace of their own.
+	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/serving'
 
 lint: $(STAMP) $(SERVING_STAMP)
 	$(VENV)/bin/ruff check operator kvhelper tests benchmarks

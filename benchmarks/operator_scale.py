@@ -23,8 +23,9 @@ from pathlib import Path
 
 import aiohttp
 from disagg_operator.etcd_process import EtcdProcess, free_port
-from disagg_operator.sandbox import Sandbox, sandbox, wait_for
+from disagg_operator.sandbox import Sandbox, sandbox
 from disagg_operator.spec import GROUP, PLURAL, VERSION
+from disagg_operator.waiting import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 NAMESPACE = "bench"

@@ -21,8 +21,9 @@ import yaml
 from disagg_operator.etcd_process import EtcdProcess
 from disagg_operator.handlers import OperatorConfig
 from disagg_operator.plan import ClusterAddressing
-from disagg_operator.sandbox import Sandbox, sandbox, wait_for
+from disagg_operator.sandbox import Sandbox, sandbox
 from disagg_operator.spec import GROUP, PLURAL, VERSION
+from disagg_operator.waiting import wait_for
 
 Echo = Callable[[str], None]
 SERVING_IMAGE = "disagg-operator/serving:0.1.0"

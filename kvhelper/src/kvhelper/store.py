@@ -1,0 +1,197 @@
+"""The Mooncake store as the connector uses it: configuration, and batch zero-copy page I/O with
+Mooncake's return codes turned into results a caller can act on.
+
+Configuration comes from `mooncake.json` (`mooncake_config_path` in kv_connector_extra_config,
+else $MOONCAKE_CONFIG_PATH) with keys of kv_connector_extra_config layered on top; a key set to
+two different values in the two places is an error, not a silent choice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Mooncake reports errors as negative return codes.
+ERROR_CODES = {
+    -200: "no space (store full, or the master just restarted)",
+    -600: "buffer too small",
+    -704: "object not found",
+    -706: "object has a lease",
+    -800: "transfer failed",
+    -900: "master RPC failed",
+}
+CONFIG_KEYS = ("master_server_address", "metadata_server", "protocol", "device_name",
+               "global_segment_size", "local_buffer_size", "local_hostname")
+
+
+class ConfigError(ValueError):
+    """Missing or contradictory Mooncake settings; the message names the setting and source."""
+
+
+class StoreError(RuntimeError):
+    def __init__(self, what: str, code: int) -> None:
+        super().__init__(f"{what}: Mooncake code {code} ({describe(code)})")
+        self.code = code
+
+
+def describe(code: int) -> str:
+    return ERROR_CODES.get(code, "unknown error")
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    master_server_address: str
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = 1 << 30
+    local_buffer_size: int = 256 << 20
+    # Where peers reach this store; in a pod, its IP ($POD_IP).
+    local_hostname: str = field(default_factory=lambda: os.environ.get("POD_IP") or
+                                socket.gethostbyname(socket.gethostname()))
+
+    @classmethod
+    def load(cls, extra_config: Mapping[str, Any],
+             environ: Mapping[str, str] = os.environ) -> MooncakeConfig:
+        path_setting = ("kv_connector_extra_config.mooncake_config_path"
+                        if extra_config.get("mooncake_config_path") else "MOONCAKE_CONFIG_PATH")
+        path = extra_config.get("mooncake_config_path") or environ.get("MOONCAKE_CONFIG_PATH")
+        from_file: dict[str, Any] = {}
+        if path:
+            try:
+                from_file = json.loads(Path(path).read_text())
+            except FileNotFoundError:
+                raise ConfigError(f"{path_setting} points to {path}, which does not exist"
+                                  ) from None
+            except ValueError as err:
+                raise ConfigError(f"{path} is not valid JSON: {err}") from None
+            if not isinstance(from_file, dict):
+                raise ConfigError(f"{path} must hold a JSON object")
+        merged = {k: v for k, v in from_file.items() if k in CONFIG_KEYS}
+        for key in CONFIG_KEYS:
+            if key in extra_config:
+                if key in from_file and from_file[key] != extra_config[key]:
+                    raise ConfigError(
+                        f"{key} is {extra_config[key]!r} in kv_connector_extra_config but "
+                        f"{from_file[key]!r} in {path}: set it in one place")
+                merged[key] = extra_config[key]
+        if not merged.get("master_server_address"):
+            raise ConfigError("master_server_address is not set: give it in mooncake.json "
+                              "(mooncake_config_path or $MOONCAKE_CONFIG_PATH) or in "
+                              "kv_connector_extra_config")
+        config = cls(**{f.name: merged[f.name] for f in fields(cls) if f.name in merged})
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(f"protocol must be tcp or rdma, not {self.protocol!r}")
+        if self.protocol == "rdma" and not self.device_name:
+            raise ConfigError("protocol rdma needs device_name (e.g. mlx5_0)")
+        for name in ("global_segment_size", "local_buffer_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number of bytes, not {value!r}")
+        if not (self.metadata_server == "P2PHANDSHAKE"
+                or self.metadata_server.startswith(("http://", "etcd://"))):
+            raise ConfigError("metadata_server must be P2PHANDSHAKE, http://... or etcd://...; "
+                              f"got {self.metadata_server!r}")
+        host, _, port = self.master_server_address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError("master_server_address must be host:port, not "
+                              f"{self.master_server_address!r}")
+
+
+@dataclass
+class PutResult:
+    stored: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # already in the store
+    failed: dict[str, int] = field(default_factory=dict)  # key -> Mooncake code
+
+
+class MooncakeKVStore:
+    """One Mooncake client: zero-copy batch puts and gets between registered buffers."""
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        self.config = config
+        _check_reachable(config.master_server_address)
+        self._store = MooncakeDistributedStore()
+        code = self._store.setup(config.local_hostname, config.metadata_server,
+                                 config.global_segment_size, config.local_buffer_size,
+                                 config.protocol, config.device_name,
+                                 config.master_server_address)
+        if code != 0:
+            raise StoreError(f"connecting to the Mooncake master at "
+                             f"{config.master_server_address}", code)
+
+    def register(self, buffer: torch.Tensor) -> None:
+        code = self._store.register_buffer(buffer.data_ptr(),
+                                           buffer.numel() * buffer.element_size())
+        if code != 0:
+            raise StoreError("registering a transfer buffer", code)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        codes = self._store.batch_is_exist(list(keys))
+        return [code == 1 for code in codes]
+
+    def put(self, keys: Sequence[str], pointers: Sequence[int], sizes: Sequence[int],
+            skip_existing: bool = True) -> PutResult:
+        """Store each (pointer, size) under its key; keys already stored are left alone."""
+        result = PutResult()
+        todo = list(range(len(keys)))
+        if skip_existing and keys:
+            present = self.exists(keys)
+            result.skipped = [keys[i] for i in todo if present[i]]
+            todo = [i for i in todo if not present[i]]
+        if todo:
+            codes = self._store.batch_put_from([keys[i] for i in todo],
+                                               [pointers[i] for i in todo],
+                                               [sizes[i] for i in todo])
+            for i, code in zip(todo, codes, strict=True):
+                if code == 0:
+                    result.stored.append(keys[i])
+                else:
+                    result.failed[keys[i]] = int(code)
+        return result
+
+    def get(self, keys: Sequence[str], pointers: Sequence[int],
+            sizes: Sequence[int]) -> dict[str, int]:
+        """Read each key into its (pointer, size); returns the keys that failed, with codes
+        (a value of the wrong size counts as -600)."""
+        if not keys:
+            return {}
+        results = self._store.batch_get_into(list(keys), list(pointers), list(sizes))
+        failed = {}
+        for key, size, got in zip(keys, sizes, results, strict=True):
+            if got < 0:
+                failed[key] = int(got)
+            elif got != size:
+                failed[key] = -600
+        return failed
+
+    def remove(self, key: str) -> None:
+        self._store.remove(key)
+
+    def close(self) -> None:
+        self._store.close()
+
+
+def _check_reachable(address: str, timeout: float = 5.0) -> None:
+    """Fail in seconds with a clear message; Mooncake's own setup retries for about 90 s."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            pass
+    except OSError as err:
+        raise StoreError(f"connecting to the Mooncake master at {address} ({err})", -900) from None

@@ -1,0 +1,137 @@
+"""Mooncake settings, and page I/O through a real mooncake_master and Mooncake store.
+
+Mooncake's listeners bind every interface, so these tests refuse to start it outside a network
+namespace of their own: `make test` runs this suite under `unshare -n` with only loopback up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from disagg_operator.etcd_process import free_port
+from kvhelper.store import ConfigError, MooncakeConfig, MooncakeKVStore, StoreError
+
+
+def test_config_from_file_and_extra_config(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "m:50051", "protocol": "tcp",
+                                "global_segment_size": 1024, "unrelated": 1}))
+    config = MooncakeConfig.load({"mooncake_config_path": str(path), "local_buffer_size": 512},
+                                 environ={"POD_IP": "10.1.2.3"})
+    assert (config.master_server_address, config.global_segment_size,
+            config.local_buffer_size) == ("m:50051", 1024, 512)
+    from_env = MooncakeConfig.load({}, environ={"MOONCAKE_CONFIG_PATH": str(path)})
+    assert from_env.master_server_address == "m:50051"
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"mooncake_config_path": "/nope.json"}, "mooncake_config_path points to /nope.json"),
+    ({"master_server_address": "x:1", "protocol": "rdma"}, "rdma needs device_name"),
+    ({"master_server_address": "x"}, "must be host:port"),
+    ({"master_server_address": "x:1", "global_segment_size": "1Gi"}, "positive number of bytes"),
+    ({}, "master_server_address is not set"),
+])
+def test_config_errors_name_the_setting(extra, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        MooncakeConfig.load(extra, environ={})
+
+
+def test_contradictory_settings_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps({"master_server_address": "m:1", "protocol": "tcp"}))
+    with pytest.raises(ConfigError, match="protocol is 'rdma' in kv_connector_extra_config"):
+        MooncakeConfig.load({"mooncake_config_path": str(path), "protocol": "rdma",
+                             "device_name": "mlx5_0"}, environ={})
+
+
+def in_private_network() -> bool:
+    """Only loopback in this process's network namespace (/proc/self/net follows it)."""
+    lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
+    return [line.split(":")[0].strip() for line in lines] == ["lo"]
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[str]:
+    if not in_private_network():
+        pytest.fail("Mooncake binds every interface: run this suite in a network namespace "
+                    "(`make test` uses `unshare -n`)")
+    binary = shutil.which("mooncake_master", path=os.path.dirname(sys.executable))
+    assert binary, "mooncake_master is installed with mooncake-transfer-engine-non-cuda"
+    port = free_port()
+    log = (tmp_path / "master.log").open("w")
+    proc = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
+                             f"--metrics_port={free_port()}", "--client_ttl=5"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while True:  # ready when its RPC port accepts connections
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "master.log").read_text()
+                assert time.monotonic() < deadline, "mooncake_master did not start"
+                time.sleep(0.05)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        log.close()
+
+
+@pytest.fixture
+def store(master: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[MooncakeKVStore]:
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    client = MooncakeKVStore(MooncakeConfig(master_server_address=master,
+                                            global_segment_size=64 << 20,
+                                            local_buffer_size=16 << 20,
+                                            local_hostname="127.0.0.1"))
+    yield client
+    client.close()
+
+
+def test_pages_round_trip_zero_copy_and_existing_keys_are_skipped(store) -> None:
+    page = 18432  # one MLA page: 16 tokens x 576 x bf16
+    source = (torch.arange(8 * page) % 251).to(torch.uint8)
+    target = torch.zeros_like(source)
+    store.register(source)
+    store.register(target)
+    keys = [f"test/fp/{i}" for i in range(8)]
+    pointers = [source.data_ptr() + i * page for i in range(8)]
+    first = store.put(keys[:5], pointers[:5], [page] * 5)
+    assert first.stored == keys[:5] and first.skipped == [] and first.failed == {}
+    second = store.put(keys, pointers, [page] * 8)  # a shared prefix: 5 pages already there
+    assert second.skipped == keys[:5] and second.stored == keys[5:]
+    assert store.exists(keys + ["test/fp/absent"]) == [True] * 8 + [False]
+    failed = store.get(keys, [target.data_ptr() + i * page for i in range(8)], [page] * 8)
+    assert failed == {} and torch.equal(source, target)
+
+
+def test_missing_and_short_reads_are_reported_per_key(store) -> None:
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    store.register(buffer)
+    store.put(["small"], [buffer.data_ptr()], [1024])
+    failed = store.get(["absent", "small"], [buffer.data_ptr(), buffer.data_ptr() + 2048],
+                       [1024, 2048])
+    assert failed == {"absent": -704, "small": -600}
+
+
+def test_unreachable_master_is_a_clear_error(monkeypatch) -> None:
+    if not in_private_network():
+        pytest.fail("run in a network namespace (`make test` uses `unshare -n`)")
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with pytest.raises(StoreError, match="connecting to the Mooncake master"):
+        MooncakeKVStore(MooncakeConfig(master_server_address=f"127.0.0.1:{free_port()}",
+                                       global_segment_size=16 << 20,
+                                       local_buffer_size=16 << 20,
+                                       local_hostname="127.0.0.1"))
