@@ -81,3 +81,19 @@ def test_bad_requests_are_refused() -> None:
         mover.scatter([1, 1], mover.gather([2, 3]))
     with pytest.raises(ValueError, match="holds 10 bytes"):
         mover.gather([1], torch.empty(10, dtype=torch.uint8))
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(sorted(LAYOUTS)), layers=st.integers(1, 3), data=st.data())
+def test_block_major_buffers_hold_each_block_contiguously(kind, layers, data) -> None:
+    shape, spec = LAYOUTS[kind]
+    src = shared_caches(shape, layers, seed=3)
+    mover = PageMover(describe_kv_caches(src, spec, num_blocks=12), src)
+    ids = data.draw(st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True))
+    by_layer = mover.gather(ids).view(layers, len(ids), -1)
+    by_block = mover.gather(ids, order="block").view(len(ids), layers, -1)
+    assert torch.equal(by_block, by_layer.transpose(0, 1))
+    dst = shared_caches(shape, layers, seed=4)
+    dst_mover = PageMover(describe_kv_caches(dst, spec, num_blocks=12), dst)
+    dst_mover.scatter(ids, by_block.reshape(-1), order="block")
+    assert torch.equal(dst_mover.gather(ids), by_layer.reshape(-1))

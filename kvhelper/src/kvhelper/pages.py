@@ -1,8 +1,10 @@
 """Gather a request's pages into one transfer buffer and scatter them back, vectorised.
 
-Buffer format (kvhelper FORMAT_VERSION 1): layer-major, then block in the order given, then the
-page's regions in layout order: `[layer][block][region 0 | region 1 ...]`. Pages are copied as
-bytes, so fp8 and packed K/V data are never converted.
+Buffer formats (kvhelper FORMAT_VERSION 1), pages copied as bytes (fp8 and packed K/V data are
+never converted):
+- `order="layer"`: `[layer][block][region 0 | region 1 ...]`, blocks in the order given;
+- `order="block"`: `[block][layer][regions]`: each block's pages of every layer are one
+  contiguous slice, the unit the connector stores under one key.
 
 How: every region of every block of every layer is one *row* of equal width in the storage the
 layers share. The rows are viewed as one 2-D tensor (in the widest integer type the alignment
@@ -15,11 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from kvhelper.layout import KVCacheLayout, LayoutError
 
+Order = Literal["layer", "block"]
 _WIDE_TYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 
@@ -84,10 +88,16 @@ class PageMover:
                              f"got {index.min().item()}..{index.max().item()}")
         return index
 
-    def _rows_of(self, space: _RowSpace, index: torch.Tensor) -> torch.Tensor:
-        # (layers, regions, blocks) -> (layers, blocks, regions): the buffer's order.
+    def _rows_of(self, space: _RowSpace, index: torch.Tensor, order: Order) -> torch.Tensor:
+        # (layers, regions, blocks) -> the buffer's order of rows.
         rows = space.base[:, :, None] + index[None, None, :] * space.step
-        return rows.permute(0, 2, 1).reshape(-1)
+        dims = (0, 2, 1) if order == "layer" else (2, 0, 1)
+        return rows.permute(*dims).reshape(-1)
+
+    def _check_order(self, order: Order) -> None:
+        if order == "block" and len(self._spaces) > 1:
+            raise LayoutError("block-major buffers need every layer in one storage, as vLLM "
+                              "allocates them; these layers live in separate tensors")
 
     def _buffer_rows(self, buffer: torch.Tensor, pages: int) -> torch.Tensor:
         needed = self.nbytes(pages)
@@ -109,27 +119,30 @@ class PageMover:
         return rows[first * per_layer:(last + 1) * per_layer]
 
     def gather(self, block_ids: Sequence[int] | torch.Tensor,
-               buffer: torch.Tensor | None = None) -> torch.Tensor:
+               buffer: torch.Tensor | None = None, order: Order = "layer") -> torch.Tensor:
         """Copy the pages of `block_ids` (all layers) into `buffer` (allocated if None)."""
+        self._check_order(order)
         index = self.block_index(block_ids)
         pages = index.numel()
         if buffer is None:
             buffer = torch.empty(self.nbytes(pages), dtype=torch.uint8, device=self.device)
         rows = self._buffer_rows(buffer, pages)
         for space in self._spaces:
-            torch.index_select(space.rows, 0, self._rows_of(space, index),
+            torch.index_select(space.rows, 0, self._rows_of(space, index, order),
                                out=self._layer_rows(rows, space, pages))
         return buffer
 
-    def scatter(self, block_ids: Sequence[int] | torch.Tensor, buffer: torch.Tensor) -> None:
+    def scatter(self, block_ids: Sequence[int] | torch.Tensor, buffer: torch.Tensor,
+                order: Order = "layer") -> None:
         """Write pages from `buffer` (as `gather` laid them out) into `block_ids`."""
+        self._check_order(order)
         index = self.block_index(block_ids)
         ordered = torch.sort(index).values
         if bool((ordered[1:] == ordered[:-1]).any()):
             raise ValueError("block ids to scatter into must be distinct")
         rows = self._buffer_rows(buffer, index.numel())
         for space in self._spaces:
-            space.rows.index_copy_(0, self._rows_of(space, index),
+            space.rows.index_copy_(0, self._rows_of(space, index, order),
                                    self._layer_rows(rows, space, index.numel()))
 
 

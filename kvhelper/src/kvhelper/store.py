@@ -139,6 +139,9 @@ class MooncakeKVStore:
         if code != 0:
             raise StoreError("registering a transfer buffer", code)
 
+    def unregister(self, buffer: torch.Tensor) -> None:
+        self._store.unregister_buffer(buffer.data_ptr())
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
             return []
