@@ -95,10 +95,11 @@ class MooncakeConfig:
             raise ConfigError(f"protocol must be tcp or rdma, not {self.protocol!r}")
         if self.protocol == "rdma" and not self.device_name:
             raise ConfigError("protocol rdma needs device_name (e.g. mlx5_0)")
-        for name in ("global_segment_size", "local_buffer_size"):
+        # A client may contribute no memory to the store (global_segment_size 0).
+        for name, least in (("global_segment_size", 0), ("local_buffer_size", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive number of bytes, not {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"{name} must be a number of bytes >= {least}, not {value!r}")
         if not (self.metadata_server == "P2PHANDSHAKE"
                 or self.metadata_server.startswith(("http://", "etcd://"))):
             raise ConfigError("metadata_server must be P2PHANDSHAKE, http://... or etcd://...; "

@@ -1,0 +1,241 @@
+"""MooncakeStoreConnector: a vLLM v1 KV connector that moves whole KV pages through a Mooncake
+store, keyed by vLLM's chained block hashes (so equal prefixes share pages) and namespaced by the
+layout fingerprint (so incompatible instances never read each other's pages).
+
+Producer (prefill): after the forward pass that completes a prompt, its full blocks are gathered
+block-major and stored (existing keys are skipped); `request_finished` tells the client, through
+`kv_transfer_params`, how many tokens decode can load. Consumer (decode): for a request carrying
+those parameters, the full blocks are loaded into the blocks vLLM allocated before the forward
+pass; a page that cannot be read is reported per block so vLLM recomputes or fails, as its
+`kv_load_failure_policy` says. Loads are synchronous in this version.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvhelper.keys import block_key
+from kvhelper.layout import ModelKVSpec, describe_kv_caches
+from kvhelper.pages import PageMover
+from kvhelper.store import MooncakeConfig, MooncakeKVStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+# Under "vllm" so that vLLM's logging configuration (format, level) applies to our lines.
+log = logging.getLogger("vllm.kvhelper.connector")
+PARAMS_KEY = "kvhelper_tokens"  # in kv_transfer_params: how many prompt tokens are stored
+
+
+@dataclass
+class Transfer:
+    req_id: str
+    block_hashes: list[str]  # hex, one per block, in order
+    block_ids: list[int]
+
+
+@dataclass
+class MooncakeStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+class MooncakeStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.is_producer = bool(transfer.is_kv_producer)
+        self.is_consumer = bool(transfer.is_kv_consumer)
+        self.extra = dict(transfer.kv_connector_extra_config or {})
+        # Scheduler side
+        self._requests: dict[str, Request] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        self._loads: list[Transfer] = []
+        self._saved_tokens: dict[str, int] = {}
+        # Worker side
+        self._store: MooncakeKVStore | None = None
+        self._mover: PageMover | None = None
+        self._staging: torch.Tensor | None = None
+        self._fingerprint = ""
+        self._failed_blocks: set[int] = set()
+        self.stats = {"blocks_loaded": 0, "blocks_stored": 0, "blocks_skipped": 0,
+                      "load_failures": 0, "bytes_loaded": 0, "bytes_stored": 0}
+        if role == KVConnectorRole.WORKER:
+            # Fail at start-up, not at the first request, on missing or contradictory settings.
+            self._config = MooncakeConfig.load(self.extra)
+
+    # -- scheduler side ---------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params or {}
+        if not (self.is_consumer and params.get("do_remote_prefill")):
+            return 0, False
+        stored = int(params.get(PARAMS_KEY) or 0)
+        # vLLM must compute at least the last prompt token itself.
+        limit = request.num_prompt_tokens - 1
+        blocks = min(stored, limit, len(request.block_hashes) * self.block_size) \
+            // self.block_size
+        external = blocks * self.block_size - num_computed_tokens
+        return max(0, external), False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._requests[request.request_id] = request
+        block_ids = list(blocks.get_block_ids()[0])
+        self._block_ids[request.request_id] = block_ids
+        if num_external_tokens <= 0:
+            return
+        first = request.num_computed_tokens // self.block_size
+        count = num_external_tokens // self.block_size
+        hashes = [bytes(h).hex() for h in request.block_hashes[first:first + count]]
+        self._loads.append(Transfer(request.request_id, hashes, block_ids[first:first + count]))
+        # Loaded once: a preempted and resumed request recomputes instead of reloading.
+        if request.kv_transfer_params is not None:
+            request.kv_transfer_params["do_remote_prefill"] = False
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = MooncakeStoreConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.is_producer:
+            return meta
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None and req_id in self._block_ids:
+                self._block_ids[req_id].extend(new_ids[0])
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = self._requests.get(req_id)
+            if request is None or req_id in self._saved_tokens:
+                continue
+            done = request.num_computed_tokens + scheduled
+            if done < request.num_prompt_tokens:
+                continue  # the prompt is still being prefilled (chunked)
+            full = min(len(request.block_hashes), request.num_prompt_tokens // self.block_size)
+            hashes = [bytes(h).hex() for h in request.block_hashes[:full]]
+            meta.saves.append(Transfer(req_id, hashes, self._block_ids[req_id][:full]))
+            self._saved_tokens[req_id] = full * self.block_size
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._requests.pop(req_id, None)
+        self._block_ids.pop(req_id, None)
+        saved = self._saved_tokens.pop(req_id, None)
+        if not self.is_producer or saved is None:
+            return False, None
+        # Saving happened in the forward pass that finished the prompt: the blocks can go.
+        return False, {"do_remote_prefill": True, "do_remote_decode": False,
+                       PARAMS_KEY: saved, "remote_engine_id": None, "remote_block_ids": None,
+                       "remote_host": None, "remote_port": None}
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        spec = ModelKVSpec.from_vllm_config(self._vllm_config)
+        layout = describe_kv_caches(kv_caches, spec)
+        self._mover = PageMover(layout, kv_caches)
+        self._fingerprint = layout.fingerprint()
+        self._store = MooncakeKVStore(self._config)
+        max_blocks = -(-int(self._vllm_config.model_config.max_model_len) // self.block_size)
+        self._staging = torch.empty(self._mover.nbytes(max_blocks), dtype=torch.uint8)
+        self._store.register(self._staging)
+        log.info("kvhelper connector ready: %s, fingerprint %s", layout.describe(),
+                 self._fingerprint)
+
+    def _keys(self, hashes: list[str]) -> list[str]:
+        assert self._mover is not None
+        layout = self._mover.layout
+        shard = None if layout.rank_agnostic else (layout.spec.tp_size, layout.spec.tp_rank)
+        return [block_key(self._fingerprint, h, shard) for h in hashes]
+
+    def _slots(self, count: int) -> tuple[list[int], list[int]]:
+        assert self._mover is not None and self._staging is not None
+        per_block = self._mover.layout.page_bytes * self._mover.layout.num_layers
+        base = self._staging.data_ptr()
+        return [base + i * per_block for i in range(count)], [per_block] * count
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MooncakeStoreConnectorMetadata)
+        for load in meta.loads:
+            self._load(load)
+
+    def _load(self, load: Transfer) -> None:
+        assert self._store is not None and self._mover is not None
+        started = time.perf_counter()
+        keys = self._keys(load.block_hashes)
+        pointers, sizes = self._slots(len(keys))
+        failed = self._store.get(keys, pointers, sizes)
+        # Pages after the first missing one are useless: a prefix must be contiguous.
+        good = next((i for i, key in enumerate(keys) if key in failed), len(keys))
+        if good:
+            assert self._staging is not None
+            self._mover.scatter(load.block_ids[:good], self._staging, order="block")
+        if good < len(keys):
+            self._failed_blocks.update(load.block_ids[good:])
+            self.stats["load_failures"] += 1
+            log.warning("request %s: %d of %d KV blocks could not be loaded (%s)", load.req_id,
+                        len(keys) - good, len(keys), sorted(set(failed.values())))
+        nbytes = good * sum(sizes[:1])
+        self.stats["blocks_loaded"] += good
+        self.stats["bytes_loaded"] += nbytes
+        log.info("request %s: loaded %d KV blocks (%d bytes) from the store in %.1f ms",
+                 load.req_id, good, nbytes, (time.perf_counter() - started) * 1000)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        return None  # whole requests are saved in wait_for_save, all layers at once
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, MooncakeStoreConnectorMetadata)
+        assert self._store is not None and self._mover is not None and self._staging is not None
+        layout = self._mover.layout
+        if layout.rank_agnostic and layout.spec.tp_rank != 0:
+            return  # MLA pages are identical on every rank: rank 0 stores them once
+        for save in meta.saves:
+            if not save.block_ids:
+                continue
+            keys = self._keys(save.block_hashes)
+            self._mover.gather(save.block_ids, self._staging, order="block")
+            pointers, sizes = self._slots(len(keys))
+            result = self._store.put(keys, pointers, sizes)
+            if result.failed:
+                log.warning("request %s: %d KV blocks could not be stored (%s)", save.req_id,
+                            len(result.failed), sorted(set(result.failed.values())))
+            self.stats["blocks_stored"] += len(result.stored)
+            self.stats["blocks_skipped"] += len(result.skipped)
+            self.stats["bytes_stored"] += len(result.stored) * sizes[0]
+            log.info("request %s: stored %d KV blocks, %d already in the store", save.req_id,
+                     len(result.stored), len(result.skipped))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
