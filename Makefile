@@ -11,7 +11,10 @@ PYTHON_TOOLS ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python
 TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 
-.PHONY: run test lint clean
+.PHONY: run demo-operator test lint clean
+
+# As root, servers started here live in a private network namespace (loopback only).
+ISOLATE := $(if $(filter 0,$(shell id -u)),unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"',)
 
 $(STAMP): operator/pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,9 +40,16 @@ $(TOOLS_STAMP): requirements-tools.txt
 	$(TOOLS_VENV)/bin/pip install --quiet -r requirements-tools.txt
 	touch $(TOOLS_STAMP)
 
-# The main job on the embedded default: the operator reconciles the seed 1P2D DeepSeek-V2-Lite
-# DisaggServing in the embedded API emulator (kubectl apply, wait for Ready, show the result).
-run: $(STAMP)
+# The main job on the embedded default: the seed topology (1 prefill, 2 decode) with a tiny MLA
+# model generated here, run as local processes from the operator's plan (etcd, Mooncake master,
+# vLLM CPU servers with the kvhelper connector, registrars, proxy); one completion through the
+# proxy is printed, then everything stops.
+run: $(SERVING_STAMP)
+	$(ISOLATE) $(SERVING_VENV)/bin/disagg-operator local demo examples/tiny-mla-1p2d.yaml
+
+# The operator reconciling the seed DeepSeek-V2-Lite DisaggServing in the embedded Kubernetes
+# API emulator (kubectl apply, wait for Ready, show the result).
+demo-operator: $(STAMP)
 	$(VENV)/bin/disagg-operator demo examples/deepseek-v2-lite-1p2d.yaml
 
 test: $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)

@@ -16,16 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 from kvhelper.keys import block_key
 from kvhelper.layout import ModelKVSpec, describe_kv_caches
+from kvhelper.master_process import MooncakeMaster
 from kvhelper.pages import PageMover
 from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
@@ -98,7 +98,7 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
                          ("get", load_request), ("reput", store_request)):
             best[step] = min(best[step], timed(fn))
         for key in keys + raw_keys:  # keep the store from filling up
-            store.remove(key)
+            store.remove(key, force=True)
     raw_put_s, raw_get_s = best["raw_put"], best["raw_get"]
     put_s, get_s, reput_s = best["put"], best["get"], best["reput"]
     gib = staging.numel() / 2**30
@@ -117,24 +117,11 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
 
 
 def main(tokens: int, rounds: int) -> None:
-    binary = shutil.which("mooncake_master", path=os.path.dirname(sys.executable))
-    assert binary, "mooncake_master not found beside this Python"
-    port = free_port()
-    master = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                               f"--metrics_port={free_port()}"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "mooncake_master did not start"
-                time.sleep(0.05)
+    with (tempfile.TemporaryDirectory() as work,
+          MooncakeMaster(Path(work) / "master.log") as master):
         store = MooncakeKVStore(MooncakeConfig(
-            master_server_address=f"127.0.0.1:{port}", global_segment_size=8 << 30,
+            master_server_address=master.address, global_segment_size=8 << 30,
             local_buffer_size=64 << 20, local_hostname="127.0.0.1"))
         blocks = 2 * tokens // BLOCK
         mla = ModelKVSpec("deepseek-ai/DeepSeek-V2-Lite", True, BLOCK, "bfloat16", 1, 576)
@@ -142,9 +129,6 @@ def main(tokens: int, rounds: int) -> None:
         gqa = ModelKVSpec("meta-llama/Llama-3.1-8B", False, BLOCK, "bfloat16", 8, 128)
         run_case(store, "GQA", gqa, (blocks, 8, BLOCK, 256), 32, tokens, rounds)
         store.close()
-    finally:
-        master.terminate()
-        master.wait(10)
 
 
 if __name__ == "__main__":

@@ -7,18 +7,13 @@ namespace of their own: `make test` runs this suite under `unshare -n` with only
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from disagg_operator.etcd_process import free_port
+from kvhelper.master_process import MooncakeMaster
 from kvhelper.store import ConfigError, MooncakeConfig, MooncakeKVStore, StoreError
 
 
@@ -65,28 +60,8 @@ def master(tmp_path: Path) -> Iterator[str]:
     if not in_private_network():
         pytest.fail("Mooncake binds every interface: run this suite in a network namespace "
                     "(`make test` uses `unshare -n`)")
-    binary = shutil.which("mooncake_master", path=os.path.dirname(sys.executable))
-    assert binary, "mooncake_master is installed with mooncake-transfer-engine-non-cuda"
-    port = free_port()
-    log = (tmp_path / "master.log").open("w")
-    proc = subprocess.Popen([binary, "--rpc_address=127.0.0.1", f"--rpc_port={port}",
-                             f"--metrics_port={free_port()}", "--client_ttl=5"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 10
-        while True:  # ready when its RPC port accepts connections
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                assert proc.poll() is None, (tmp_path / "master.log").read_text()
-                assert time.monotonic() < deadline, "mooncake_master did not start"
-                time.sleep(0.05)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+    with MooncakeMaster(tmp_path / "master.log", extra_args=["--client_ttl=5"]) as master:
+        yield master.address
 
 
 @pytest.fixture

@@ -8,6 +8,11 @@ block-major and stored (existing keys are skipped); `request_finished` tells the
 those parameters, the full blocks are loaded into the blocks vLLM allocated before the forward
 pass; a page that cannot be read is reported per block so vLLM recomputes or fails, as its
 `kv_load_failure_policy` says. Loads are synchronous in this version.
+
+Prefill also sends its identity and the hash of its last stored block, so a decode instance
+that could never use those pages (another model, block size, dtype or prompt hashing) refuses
+them up front with a message naming the difference, and recomputes. Counters and timings go
+through vLLM's connector-stats path (`kvhelper.connector_metrics`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvhelper import compat
+from kvhelper.connector_metrics import TransferPromMetrics, TransferStats
 from kvhelper.keys import block_key
 from kvhelper.layout import ModelKVSpec, describe_kv_caches
 from kvhelper.pages import PageMover
@@ -31,6 +38,12 @@ from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -38,7 +51,10 @@ if TYPE_CHECKING:
 
 # Under "vllm" so that vLLM's logging configuration (format, level) applies to our lines.
 log = logging.getLogger("vllm.kvhelper.connector")
-PARAMS_KEY = "kvhelper_tokens"  # in kv_transfer_params: how many prompt tokens are stored
+# In kv_transfer_params, from prefill to decode:
+PARAMS_KEY = "kvhelper_tokens"  # how many prompt tokens are stored (whole blocks)
+IDENTITY_KEY = "kvhelper_identity"  # compat.identity() of the prefill instance
+PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last stored block
 
 
 @dataclass
@@ -64,19 +80,20 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self.is_producer = bool(transfer.is_kv_producer)
         self.is_consumer = bool(transfer.is_kv_consumer)
         self.extra = dict(transfer.kv_connector_extra_config or {})
+        self.identity = compat.identity(vllm_config)  # refuses unshareable settings at start
+        self.stats = TransferStats()
         # Scheduler side
         self._requests: dict[str, Request] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._loads: list[Transfer] = []
         self._saved_tokens: dict[str, int] = {}
+        self._prefix_hashes: dict[str, str] = {}
         # Worker side
         self._store: MooncakeKVStore | None = None
         self._mover: PageMover | None = None
         self._staging: torch.Tensor | None = None
         self._fingerprint = ""
         self._failed_blocks: set[int] = set()
-        self.stats = {"blocks_loaded": 0, "blocks_stored": 0, "blocks_skipped": 0,
-                      "load_failures": 0, "bytes_loaded": 0, "bytes_stored": 0}
         if role == KVConnectorRole.WORKER:
             # Fail at start-up, not at the first request, on missing or contradictory settings.
             self._config = MooncakeConfig.load(self.extra)
@@ -93,8 +110,29 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         limit = request.num_prompt_tokens - 1
         blocks = min(stored, limit, len(request.block_hashes) * self.block_size) \
             // self.block_size
+        if blocks and not self._compatible(request, params, stored // self.block_size):
+            params["do_remote_prefill"] = False
+            self.stats.count("requests_refused")
+            return 0, False
         external = blocks * self.block_size - num_computed_tokens
         return max(0, external), False
+
+    def _compatible(self, request: Request, params: dict[str, Any], stored_blocks: int) -> bool:
+        theirs = params.get(IDENTITY_KEY)
+        if isinstance(theirs, dict) and (problems := compat.differences(theirs, self.identity)):
+            log.warning("request %s: prefill's KV cannot be used here (%s); recomputing the "
+                        "prompt", request.request_id, "; ".join(problems))
+            return False
+        prefix_hash = params.get(PREFIX_HASH_KEY)
+        if prefix_hash and stored_blocks <= len(request.block_hashes):
+            ours = bytes(request.block_hashes[stored_blocks - 1]).hex()
+            if ours != prefix_hash:
+                log.warning("request %s: this instance hashes the prompt differently from "
+                            "prefill (its tokens, hash algorithm or PYTHONHASHSEED differ), so "
+                            "no stored page can match; recomputing the prompt",
+                            request.request_id)
+                return False
+        return True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -132,6 +170,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             hashes = [bytes(h).hex() for h in request.block_hashes[:full]]
             meta.saves.append(Transfer(req_id, hashes, self._block_ids[req_id][:full]))
             self._saved_tokens[req_id] = full * self.block_size
+            if hashes:
+                self._prefix_hashes[req_id] = hashes[-1]
         return meta
 
     def request_finished(self, request: Request,
@@ -140,12 +180,14 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self._requests.pop(req_id, None)
         self._block_ids.pop(req_id, None)
         saved = self._saved_tokens.pop(req_id, None)
+        prefix_hash = self._prefix_hashes.pop(req_id, None)
         if not self.is_producer or saved is None:
             return False, None
         # Saving happened in the forward pass that finished the prompt: the blocks can go.
         return False, {"do_remote_prefill": True, "do_remote_decode": False,
-                       PARAMS_KEY: saved, "remote_engine_id": None, "remote_block_ids": None,
-                       "remote_host": None, "remote_port": None}
+                       PARAMS_KEY: saved, IDENTITY_KEY: self.identity,
+                       PREFIX_HASH_KEY: prefix_hash, "remote_engine_id": None,
+                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
     # -- worker side ------------------------------------------------------------------------
 
@@ -192,14 +234,19 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self._mover.scatter(load.block_ids[:good], self._staging, order="block")
         if good < len(keys):
             self._failed_blocks.update(load.block_ids[good:])
-            self.stats["load_failures"] += 1
+            self.stats.count("requests_load_failed")
+            self.stats.count("blocks_load_failed", len(keys) - good)
             log.warning("request %s: %d of %d KV blocks could not be loaded (%s)", load.req_id,
                         len(keys) - good, len(keys), sorted(set(failed.values())))
+        else:
+            self.stats.count("requests_loaded")
         nbytes = good * sum(sizes[:1])
-        self.stats["blocks_loaded"] += good
-        self.stats["bytes_loaded"] += nbytes
+        elapsed = time.perf_counter() - started
+        self.stats.count("blocks_loaded", good)
+        self.stats.count("bytes_loaded", nbytes)
+        self.stats.observe("load_seconds", elapsed)
         log.info("request %s: loaded %d KV blocks (%d bytes) from the store in %.1f ms",
-                 load.req_id, good, nbytes, (time.perf_counter() - started) * 1000)
+                 load.req_id, good, nbytes, elapsed * 1000)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -218,6 +265,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         for save in meta.saves:
             if not save.block_ids:
                 continue
+            started = time.perf_counter()
             keys = self._keys(save.block_hashes)
             self._mover.gather(save.block_ids, self._staging, order="block")
             pointers, sizes = self._slots(len(keys))
@@ -225,15 +273,33 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             if result.failed:
                 log.warning("request %s: %d KV blocks could not be stored (%s)", save.req_id,
                             len(result.failed), sorted(set(result.failed.values())))
-            self.stats["blocks_stored"] += len(result.stored)
-            self.stats["blocks_skipped"] += len(result.skipped)
-            self.stats["bytes_stored"] += len(result.stored) * sizes[0]
+            self.stats.count("blocks_stored", len(result.stored))
+            self.stats.count("blocks_skipped", len(result.skipped))
+            self.stats.count("blocks_store_failed", len(result.failed))
+            self.stats.count("bytes_stored", len(result.stored) * sizes[0])
+            self.stats.observe("store_seconds", time.perf_counter() - started)
             log.info("request %s: stored %d KV blocks, %d already in the store", save.req_id,
                      len(result.stored), len(result.skipped))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return TransferStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return TransferPromMetrics(vllm_config, metric_types, labelnames,
+                                   per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._store is not None:

@@ -184,8 +184,19 @@ class MooncakeKVStore:
                 failed[key] = -600
         return failed
 
-    def remove(self, key: str) -> None:
-        self._store.remove(key)
+    def size(self, key: str) -> int:
+        """Bytes stored under key; StoreError when it is absent."""
+        size = int(self._store.get_size(key))
+        if size < 0:
+            raise StoreError(f"reading the size of {key}", size)
+        return size
+
+    def remove(self, key: str, force: bool = False) -> None:
+        """Delete key. Without force Mooncake refuses while a reader's lease on it is live
+        (10 s after each read by default)."""
+        code = int(self._store.remove(key, force))
+        if code != 0:
+            raise StoreError(f"removing {key}", code)
 
     def close(self) -> None:
         self._store.close()

@@ -100,5 +100,13 @@ def demo_cmd(path: Path | None, workdir: Path | None, timeout: float) -> None:
     sys.exit(code)
 
 
+def _add_local() -> None:
+    from disagg_operator.local.cli import local
+
+    main.add_command(local)
+
+
+_add_local()
+
 if __name__ == "__main__":
     main()

@@ -7,6 +7,7 @@ This module is pure: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -145,7 +146,9 @@ def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, obj
         kv_role = "kv_both"  # NIXL pulls from either side; vLLM documents kv_both for it
     else:
         kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    config: dict[str, object] = {"kv_connector": str(connector.value), "kv_role": kv_role}
+    config: dict[str, object] = {
+        "kv_connector": str(connector.value), "kv_role": kv_role,
+        "kv_load_failure_policy": spec.kv_transfer.load_failure_policy.lower()}
     if connector == ConnectorName.MOONCAKE_STORE:
         config["kv_connector"] = KVHELPER_CONNECTOR_CLASS
         config["kv_connector_module_path"] = KVHELPER_CONNECTOR_MODULE
@@ -207,6 +210,13 @@ def compatibility_labels(spec: DisaggServingSpec) -> dict[str, str]:
     }
 
 
+def compatibility_fingerprint(spec: DisaggServingSpec) -> str:
+    """Registered by every instance; the proxy pairs only equal ones, so during a rollout that
+    changes any of these an old prefill is never paired with a new decode."""
+    blob = json.dumps(compatibility_labels(spec), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
                     etcd_endpoints: tuple[str, ...], registry_prefix: str,
                     addressing: Addressing) -> Component:
@@ -235,6 +245,7 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
             "--model", spec.model.served_model_name or spec.model.name,
             "--etcd", ",".join(etcd_endpoints),
             "--prefix", registry_prefix,
+            "--fingerprint", compatibility_fingerprint(spec),
         ),
         env=(("POD_IP", PodIP()),),
     )

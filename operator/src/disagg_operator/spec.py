@@ -154,6 +154,9 @@ class KVTransferSpec(_Model):
         description="MooncakeStore is the kvhelper connector; the others are vLLM's own, "
                     "passed through unchanged.")
     mooncake: MooncakeSpec = _obj("Mooncake store settings (MooncakeStore connector).")
+    load_failure_policy: Literal["Recompute", "Fail"] = Field(
+        default="Recompute", description="When decode cannot load a request's KV (evicted, "
+        "store restarted): recompute the prompt, or fail the request.")
     extra_config: dict[str, Any] = Field(
         default_factory=dict, description="Merged into kv_connector_extra_config.",
         json_schema_extra={"x-k8s-schema": _K8S_OBJECT})

@@ -1,0 +1,139 @@
+"""`disagg-operator local`: up, down and demo."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+import yaml
+
+from disagg_operator.local.runner import LocalDeployment, RunFolder, StartupError, stop_recorded
+from disagg_operator.spec import DisaggServingSpec, InvalidSpecError, parse_spec
+
+EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
+DEMO_EXAMPLE = EXAMPLES / "tiny-mla-1p2d.yaml"
+DEFAULT_RUN_ROOT = Path(".disagg-local")
+TINY_MODELS = {"tiny-mla": "mla", "tiny-gqa": "gqa"}
+
+
+def load(path: Path, model: str | None) -> tuple[str, DisaggServingSpec]:
+    doc = yaml.safe_load(path.read_text()) or {}
+    name = str((doc.get("metadata") or {}).get("name") or path.stem)
+    spec_doc = dict(doc.get("spec") or {})
+    if model:
+        spec_doc["model"] = {**(spec_doc.get("model") or {}), "name": model}
+    try:
+        return name, parse_spec(spec_doc)
+    except InvalidSpecError as err:
+        raise click.ClickException(f"{path}: {err}") from None
+
+
+def with_tiny_model(spec: DisaggServingSpec, folder: RunFolder, python: str
+                    ) -> DisaggServingSpec:
+    """`spec.model.name: tiny-mla` or `tiny-gqa` (and no such folder here) means the
+    project's tiny random-weight model, generated into the run folder: no model hub needed."""
+    kind = TINY_MODELS.get(spec.model.name)
+    if kind is None or Path(spec.model.name).exists():
+        return spec
+    model_dir = folder.root / f"{spec.model.name}-model"
+    if not (model_dir / "config.json").exists():
+        click.echo(f"generating the tiny {kind.upper()} model in {model_dir}")
+        subprocess.run([python, "-m", "kvhelper.tiny_models", kind, str(model_dir)],
+                       check=True, stdout=subprocess.DEVNULL)
+    model = spec.model.model_copy(update={
+        "name": str(model_dir.resolve()),
+        "served_model_name": spec.model.served_model_name or spec.model.name})
+    return spec.model_copy(update={"model": model})
+
+
+@click.group("local")
+def local() -> None:
+    """Run a DisaggServing on this machine (etcd, Mooncake master, vLLM servers, proxy)."""
+
+
+@local.command("up")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Logs, config and state (default: .disagg-local/NAME).")
+@click.option("--model", default=None, help="Serve this model (id or path) instead of the "
+              "spec's spec.model.name.")
+@click.option("--python", "python", default=sys.executable, show_default=True,
+              help="The Python that has vLLM and kvhelper.")
+@click.option("--proxy-port", type=int, default=None,
+              help="Proxy port (default: spec.proxy.service.port).")
+@click.option("--timeout", default=600.0, show_default=True,
+              help="Seconds for all processes to become ready.")
+def up_cmd(path: Path, run_dir: Path | None, model: str | None, python: str,
+           proxy_port: int | None, timeout: float) -> None:
+    """Start everything PATH describes and print the proxy's URL."""
+    name, spec = load(path, model)
+    folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / name)
+    spec = with_tiny_model(spec, folder, python)
+    url = _up(name, spec, folder, python, proxy_port, timeout)
+    click.echo(f"{name} is serving at {url} (logs in {folder.logs}); stop it with: "
+               f"disagg-operator local down --run-dir {folder.root}")
+
+
+def _up(name: str, spec: DisaggServingSpec, folder: RunFolder, python: str,
+        proxy_port: int | None, timeout: float) -> str:
+    deployment = LocalDeployment(name, spec, folder, python=python, proxy_port=proxy_port,
+                                 echo=click.echo)
+    try:
+        return asyncio.run(deployment.up(timeout))
+    except StartupError as err:
+        raise click.ClickException(str(err)) from None
+
+
+@local.command("down")
+@click.argument("name", required=False)
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+def down_cmd(name: str | None, run_dir: Path | None) -> None:
+    """Stop everything `local up` started (by NAME, or its --run-dir)."""
+    if run_dir is None and name is None:
+        raise click.UsageError("give the DisaggServing's NAME or --run-dir")
+    folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / str(name))
+    stopped = stop_recorded(folder, click.echo)
+    click.echo(f"stopped {stopped} processes" if stopped else "nothing was running")
+
+
+@local.command("demo")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+                default=DEMO_EXAMPLE, required=False)
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--python", "python", default=sys.executable, show_default=True)
+@click.option("--prompt", default="prefill computes the prompt and decode generates the answer "
+              "while pages move between instances through the store", show_default=True)
+def demo_cmd(path: Path, run_dir: Path | None, python: str, prompt: str) -> None:
+    """Generate a tiny model, start PATH (default: 1 prefill + 2 decode) with it, send one
+    completion through the proxy, print it, and stop everything."""
+    name, spec = load(path, None)
+    folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / name)
+    spec = with_tiny_model(spec, folder, python)
+    started = time.monotonic()
+    url = _up(name, spec, folder, python, None, 600.0)
+    click.echo(f"{name} ready at {url} after {time.monotonic() - started:.0f}s")
+    try:
+        body = {"model": spec.model.served_model_name or spec.model.name, "prompt": prompt,
+                "max_tokens": 16, "temperature": 0}
+        answer = _post(f"{url}/v1/completions", body)
+        click.echo(f"prompt:     {prompt}")
+        click.echo(f"completion: {answer['choices'][0]['text']!r}")
+        click.echo(f"usage:      {answer.get('usage')}")
+    finally:
+        stop_recorded(folder, lambda _: None)
+        click.echo("stopped")
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer: dict[str, Any] = json.loads(response.read())
+    return answer

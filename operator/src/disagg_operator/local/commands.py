@@ -1,0 +1,158 @@
+"""The plan the operator renders, turned into processes on this machine (pure: no I/O).
+
+Every replica of every component becomes one process with the plan's own command line, with
+the few things a pod gets from Kubernetes supplied locally instead:
+- addresses: every listener binds loopback, and each replica gets its own ports (given by the
+  caller), substituted wherever the plan names a container port;
+- `$(VAR)` references in arguments, expanded from the process's env as Kubernetes does;
+- the config folder (`/etc/disagg` in a pod, a folder of the run here);
+- programs: `python3` is the serving Python, binaries are found beside it.
+Secrets are never read from anywhere but the caller's environment.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from disagg_operator.plan import (
+    CONFIG_DIR,
+    VLLM_PORT,
+    Component,
+    EnvValue,
+    Plan,
+    PodIP,
+    PodName,
+    Process,
+    SecretKey,
+)
+
+LOOPBACK = "127.0.0.1"
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+# Paths inside a pod; locally the caller's own settings apply.
+POD_ONLY_ENV = frozenset({"HF_HOME"})
+
+
+@dataclass(frozen=True)
+class LocalAddressing:
+    """Addresses as processes on one machine see each other (the plan's `Addressing`)."""
+
+    etcd: tuple[str, ...]
+    master_port: int
+
+    def etcd_endpoints(self, name: str) -> tuple[str, ...]:
+        return self.etcd
+
+    def mooncake_master(self, name: str, port: int) -> str:
+        return f"{LOOPBACK}:{self.master_port}"
+
+    def registration_url(self) -> str:
+        # The container port, substituted per replica like every other.
+        return f"http://$(POD_IP):{VLLM_PORT}"
+
+
+@dataclass(frozen=True)
+class LocalProcess:
+    name: str  # e.g. tiny-mla-decode-1-registrar
+    role: str  # the component's role
+    argv: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)  # on top of the caller's environment
+    port: int | None = None  # the main listener, for readiness
+    health_path: str | None = None  # None: ready when the port accepts connections
+
+
+@dataclass(frozen=True)
+class Programs:
+    python: str  # runs vLLM, the registrar and the proxy
+    binaries: Mapping[str, str]  # plan program name -> path here (mooncake_master, etcd)
+
+
+class LocalPlanError(ValueError):
+    """The plan cannot run locally as it stands; the message says what to change."""
+
+
+Ports = Mapping[tuple[str, int, str], int]
+
+
+def assign_ports(plan: Plan, addressing: LocalAddressing, proxy_port: int,
+                 allocate: Callable[[], int]) -> dict[tuple[str, int, str], int]:
+    """A local port per (role, replica, port name): the proxy's is given, the master's is the
+    one the plan's mooncake.json already names, every other comes from `allocate`."""
+    fixed = {("proxy", "http"): proxy_port, ("mooncake-master", "rpc"): addressing.master_port}
+    return {(c.role, replica, port_name): fixed.get((c.role, port_name)) or allocate()
+            for c in plan.components for replica in range(c.replicas)
+            for port_name, _ in c.main.ports}
+
+
+def local_processes(plan: Plan, ports: Ports, config_dir: Path,
+                    programs: Programs, caller_env: Mapping[str, str],
+                    skip_roles: frozenset[str] = frozenset({"etcd"})) -> list[LocalProcess]:
+    """One LocalProcess per replica and container. `ports[(role, replica, port name)]` is the
+    local port of that replica's listener; roles in `skip_roles` are run by the caller."""
+    processes: list[LocalProcess] = []
+    for component in plan.components:
+        if component.role in skip_roles:
+            continue
+        for replica in range(component.replicas):
+            mapping = {container: ports[(component.role, replica, port_name)]
+                       for port_name, container in component.main.ports}
+            instance = f"{plan.name}-{component.role}-{replica}"
+            for process in (component.main, *component.sidecars):
+                processes.append(_local(component, process, instance, mapping, config_dir,
+                                        programs, caller_env))
+    return processes
+
+
+def _local(component: Component, process: Process, instance: str, ports: Mapping[int, int],
+           config_dir: Path, programs: Programs, caller_env: Mapping[str, str]) -> LocalProcess:
+    env = {name: _env_value(value, instance, process, caller_env)
+           for name, value in process.env if name not in POD_ONLY_ENV}
+    env.setdefault("POD_NAME", instance)
+    env.setdefault("POD_IP", LOOPBACK)
+    env = {name: _localise(value, ports, config_dir) for name, value in env.items()}
+    argv = [_localise(_expand(arg, env), ports, config_dir) for arg in process.command]
+    argv[0] = _program(argv[0], programs)
+    is_main = process is component.main
+    name = instance if is_main else f"{instance}-{process.name}"
+    main_port = ports.get(process.ports[0][1]) if is_main and process.ports else None
+    return LocalProcess(name=name, role=component.role, argv=tuple(argv), env=env,
+                        port=main_port, health_path=process.health_path if is_main else None)
+
+
+def _env_value(value: EnvValue, instance: str, process: Process,
+               caller_env: Mapping[str, str]) -> str:
+    if isinstance(value, PodIP):
+        return LOOPBACK
+    if isinstance(value, PodName):
+        return instance
+    if isinstance(value, SecretKey):
+        for name, ref in process.env:
+            if ref == value and name in caller_env:
+                return caller_env[name]
+        raise LocalPlanError(
+            f"spec.hfTokenSecret: Secret {value.name}/{value.key} cannot be read outside "
+            f"Kubernetes; export its value in your environment (e.g. HF_TOKEN) instead")
+    return value
+
+
+def _expand(arg: str, env: Mapping[str, str]) -> str:
+    """Kubernetes' `$(VAR)` expansion: known variables are replaced, others left as they are."""
+    return _VAR.sub(lambda m: env.get(m[1], m[0]), arg)
+
+
+def _localise(arg: str, ports: Mapping[int, int], config_dir: Path) -> str:
+    arg = arg.replace("0.0.0.0", LOOPBACK).replace(CONFIG_DIR, str(config_dir))
+    for container, local in ports.items():
+        # A container port as a whole argument, after `=`, or after a host's `:`.
+        arg = re.sub(rf"(^|[=:]){container}(?=$|/)", rf"\g<1>{local}", arg)
+    return arg
+
+
+def _program(program: str, programs: Programs) -> str:
+    if program in ("python", "python3"):
+        return programs.python
+    if program in programs.binaries:
+        return programs.binaries[program]
+    raise LocalPlanError(f"no local program for {program!r}")

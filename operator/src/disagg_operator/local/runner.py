@@ -1,0 +1,367 @@
+"""Start and stop a DisaggServing as processes on this machine.
+
+`up` starts etcd (when managed), the Mooncake master, every prefill and decode vLLM server with
+its registrar, and the proxy; waits until each is ready, printing progress; and returns the
+proxy's URL. Every process gets its own session, so they outlive the command, and is recorded
+in the run folder's `state.json` as soon as it starts, so that `down` can stop it by PID even
+when `up` failed half-way. Each process logs to `logs/<name>.log` in the run folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from disagg_operator.etcd_process import EtcdProcess, free_port
+from disagg_operator.local.commands import (
+    LOOPBACK,
+    LocalAddressing,
+    LocalProcess,
+    Programs,
+    assign_ports,
+    local_processes,
+)
+from disagg_operator.plan import build_plan
+from disagg_operator.spec import DisaggServingSpec
+
+Echo = Callable[[str], None]
+STATE_FILE = "state.json"
+# vLLM's CPU build reserves this much KV cache per instance by default; small models need less.
+DEFAULT_CPU_KV_SPACE_GIB = "1"
+
+
+class StartupError(RuntimeError):
+    """A process could not start; the message names it and quotes the end of its log."""
+
+
+@dataclass
+class RunFolder:
+    root: Path
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def config(self) -> Path:
+        return self.root / "config"
+
+    @property
+    def state(self) -> Path:
+        return self.root / STATE_FILE
+
+    def log(self, name: str) -> Path:
+        return self.logs / f"{name}.log"
+
+    def read_state(self) -> dict[str, object]:
+        try:
+            state = json.loads(self.state.read_text())
+        except FileNotFoundError:
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def write_state(self, state: Mapping[str, object]) -> None:
+        self.state.write_text(json.dumps(state, indent=2) + "\n")
+
+
+@dataclass
+class Started:
+    spec: LocalProcess
+    process: subprocess.Popen[bytes]
+    log: Path
+    ready: bool = False
+
+
+@dataclass
+class LocalDeployment:
+    name: str
+    spec: DisaggServingSpec
+    folder: RunFolder
+    python: str = sys.executable
+    proxy_port: int | None = None  # default: the spec's proxy Service port
+    extra_env: dict[str, str] = field(default_factory=dict)
+    echo: Echo = print
+    started: list[Started] = field(default_factory=list)
+
+    async def up(self, timeout: float = 600.0) -> str:
+        """Start everything and wait until the proxy routes to every instance; returns its URL.
+        On failure everything started so far is stopped again."""
+        if live := live_pids(self.folder):
+            raise StartupError(f"{self.folder.root} already runs {len(live)} processes: "
+                               "run `local down` on it first, or pick another --run-dir")
+        self.folder.logs.mkdir(parents=True, exist_ok=True)
+        self.folder.config.mkdir(parents=True, exist_ok=True)
+        proxy_port = self.proxy_port or self.spec.proxy.service.port
+        ensure_free(proxy_port, "the proxy port (spec.proxy.service.port, or --proxy-port)")
+        state: dict[str, object] = {"name": self.name, "pids": {}}
+        self.folder.write_state(state)
+        try:
+            etcd = await self._etcd(state)
+            return await self._start_all(etcd, proxy_port, state, timeout)
+        except BaseException:
+            self.echo("start-up failed; stopping what was started")
+            stop_recorded(self.folder, self.echo)
+            raise
+
+    async def _etcd(self, state: dict[str, object]) -> tuple[str, ...]:
+        if self.spec.etcd.mode != "Managed":
+            return tuple(self.spec.etcd.endpoints)
+        self.echo("starting etcd")
+        etcd = await EtcdProcess(self.folder.root / "etcd").start()
+        assert etcd.process is not None
+        _record(self.folder, state, "etcd", etcd.process.pid)
+        self.echo(f"  etcd ready at {etcd.endpoint}")
+        return (etcd.endpoint,)
+
+    async def _start_all(self, etcd: tuple[str, ...], proxy_port: int,
+                         state: dict[str, object], timeout: float) -> str:
+        addressing = LocalAddressing(etcd=etcd, master_port=free_port())
+        plan = build_plan(self.name, "local", self.spec, addressing)
+        for file_name, content in plan.config_files.items():
+            (self.folder.config / file_name).write_text(content)
+        ports = assign_ports(plan, addressing, proxy_port, free_port)
+        programs = Programs(python=self.python, binaries=local_binaries(self.python))
+        processes = local_processes(plan, ports, self.folder.config, programs, os.environ)
+        env = {**os.environ, **local_defaults(), **self.extra_env}
+        # The store first: engines connect to the master as they start.
+        first = [p for p in processes if p.role == "mooncake-master"]
+        for batch in (first, [p for p in processes if p.role != "mooncake-master"]):
+            for spec in batch:
+                self._start(spec, env, state)
+            await self._wait_ready(deadline=time.monotonic() + timeout)
+        url = f"http://{LOOPBACK}:{proxy_port}"
+        expected = sum(c.replicas for c in plan.components if c.role in ("prefill", "decode"))
+        await self._wait_registered(url, expected, time.monotonic() + 60)
+        return url
+
+    def _start(self, spec: LocalProcess, env: Mapping[str, str],
+               state: dict[str, object]) -> None:
+        log = self.folder.log(spec.name)
+        with log.open("ab") as out:
+            process = subprocess.Popen(list(spec.argv), env={**env, **spec.env}, stdout=out,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True)
+        self.started.append(Started(spec, process, log))
+        _record(self.folder, state, spec.name, process.pid)
+        self.echo(f"  started {spec.name} (pid {process.pid}"
+                  + (f", port {spec.port})" if spec.port else ")"))
+
+    async def _wait_ready(self, deadline: float) -> None:
+        last_report = time.monotonic()
+        began = last_report
+        while True:
+            for item in self.started:
+                if item.process.poll() is not None:
+                    raise StartupError(
+                        f"{item.spec.name} exited with code {item.process.returncode} during "
+                        f"start-up; the end of {item.log}:\n{log_tail(item.log)}")
+                if not item.ready and await asyncio.to_thread(_is_ready, item.spec):
+                    item.ready = True
+                    self.echo(f"  {item.spec.name} ready after {time.monotonic() - began:.0f}s")
+            waiting = [i.spec.name for i in self.started if not i.ready and i.spec.port]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                raise StartupError(f"not ready in time: {', '.join(waiting)}; see their logs in "
+                                   f"{self.folder.logs}")
+            if time.monotonic() - last_report > 15:
+                last_report = time.monotonic()
+                self.echo(f"  waiting for {', '.join(waiting)} "
+                          f"({last_report - began:.0f}s)")
+            await asyncio.sleep(0.5)
+
+    def find(self, name: str) -> Started:
+        for item in self.started:
+            if item.spec.name == name:
+                return item
+        raise KeyError(f"no process {name!r}; started: {[i.spec.name for i in self.started]}")
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        """Stop one process (its whole session) the way a crash would, and wait for it."""
+        item = self.find(name)
+        _signal_group(item.process.pid, sig)
+        item.process.wait(30)
+
+    async def restart(self, name: str, timeout: float = 120.0) -> None:
+        """Stop one process and start it again with the same command line and ports."""
+        item = self.find(name)
+        if item.process.poll() is None:
+            _signal_group(item.process.pid, signal.SIGTERM)
+            item.process.wait(30)
+        if item.spec.port is not None:
+            await _wait_port_free(item.spec.port, time.monotonic() + 30)
+        self.started.remove(item)
+        env = {**os.environ, **local_defaults(), **self.extra_env}
+        state = self.folder.read_state()
+        self._start(item.spec, env, state)
+        await self._wait_ready(deadline=time.monotonic() + timeout)
+
+    async def _wait_registered(self, url: str, expected: int, deadline: float) -> None:
+        """The proxy sees every instance through etcd: the registrars did their job."""
+        while True:
+            try:
+                seen = json.loads(await asyncio.to_thread(_get, f"{url}/instances"))
+            except (OSError, ValueError):
+                seen = []
+            healthy = [i for i in seen if i.get("healthy")]
+            if len(healthy) >= expected:
+                self.echo(f"  proxy routes to {len(healthy)} instances")
+                return
+            for item in self.started:
+                if item.process.poll() is not None:
+                    raise StartupError(f"{item.spec.name} exited with code "
+                                       f"{item.process.returncode}; the end of {item.log}:\n"
+                                       + log_tail(item.log))
+            if time.monotonic() > deadline:
+                raise StartupError(f"the proxy sees {len(healthy)} of {expected} instances; "
+                                   f"see the registrar logs in {self.folder.logs}")
+            await asyncio.sleep(0.5)
+
+
+async def _wait_port_free(port: int, deadline: float) -> None:
+    while True:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((LOOPBACK, port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise StartupError(f"port {port} is still taken") from None
+        await asyncio.sleep(0.1)
+
+
+def local_defaults() -> dict[str, str]:
+    """Settings a pod gets from its image or node, for processes sharing this machine."""
+    return {
+        # Mooncake's TCP transport listens on every interface unless told otherwise.
+        "MC_TCP_BIND_ADDRESS": LOOPBACK,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE",
+                                                 DEFAULT_CPU_KV_SPACE_GIB),
+    }
+
+
+def local_binaries(python: str) -> dict[str, str]:
+    """Programs the plan names, found beside the serving Python first."""
+    found = {}
+    for program in ("mooncake_master", "etcd"):
+        path = shutil.which(program, path=str(Path(python).parent)) or shutil.which(program)
+        if path:
+            found[program] = path
+    return found
+
+
+def ensure_free(port: int, what: str) -> None:
+    with socket.socket() as sock:
+        try:
+            sock.bind((LOOPBACK, port))
+        except OSError:
+            raise StartupError(f"port {port} is taken: {what}. Stop what listens there or "
+                               "choose another port") from None
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+
+
+def _record(folder: RunFolder, state: dict[str, object], name: str, pid: int) -> None:
+    pids = state["pids"]
+    assert isinstance(pids, dict)
+    pids[name] = pid
+    folder.write_state(state)
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return str(response.read().decode())
+
+
+def _is_ready(spec: LocalProcess) -> bool:
+    if spec.port is None:
+        return True
+    if spec.health_path is None:
+        try:
+            with socket.create_connection((LOOPBACK, spec.port), timeout=0.5):
+                return True
+        except OSError:
+            return False
+    try:
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{spec.port}{spec.health_path}",
+                                    timeout=2) as response:
+            return bool(response.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def live_pids(folder: RunFolder) -> dict[str, int]:
+    pids = folder.read_state().get("pids") or {}
+    assert isinstance(pids, dict)
+    return {name: int(pid) for name, pid in pids.items() if _alive(int(pid))}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_recorded(folder: RunFolder, echo: Echo, grace: float = 15.0) -> int:
+    """SIGTERM every recorded process (its whole session), then SIGKILL what is left."""
+    live = live_pids(folder)
+    # Proxy and registrars first (they withdraw cleanly), the store and etcd last.
+    order = sorted(live, key=lambda n: ("etcd" in n, "mooncake-master" in n))
+    for name in order:
+        _signal_group(live[name], signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(_alive(live[n]) for n in order) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.1)
+    for name in order:
+        if _alive(live[name]):
+            echo(f"  {name} did not stop in {grace:g}s; killing it")
+            _signal_group(live[name], signal.SIGKILL)
+    _reap()
+    if folder.state.exists():
+        folder.state.unlink()
+    for name in order:
+        echo(f"  stopped {name}")
+    return len(order)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _reap() -> None:
+    """Collect exited children of this process, so that they stop counting as alive."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
