@@ -4,7 +4,8 @@ kvhelper path: gather the request's pages block-major from a cache laid out as v
 then `put` one key per block (skipping existing keys); load: `get` the keys into a registered
 buffer, then scatter into other blocks. Raw baseline: `batch_put_from`/`batch_get_into` of the
 same bytes from/into a registered buffer, the same number of keys (target: kvhelper >= 0.8x).
-Also prints bytes per token for MLA (DeepSeek-V2-Lite shapes) and GQA (Llama-3.1-8B shapes).
+Also prints bytes per token for MLA (DeepSeek-V2-Lite shapes) and GQA (Llama-3.1-8B shapes),
+and for the project's tiny MLA and GQA test models.
 
 Starts its own mooncake_master on loopback; Mooncake binds every interface, so as root it
 re-runs itself inside a private network namespace (`unshare -n`).
@@ -67,9 +68,10 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
     raw_dst = torch.empty_like(staging)
     for buffer in (staging, raw_src, raw_dst):
         store.register(buffer)
+    store.register_range(*mover.storage_span())  # the connector's direct path on CPU
     pointers = [staging.data_ptr() + i * per_block for i in range(blocks)]
     sizes = [per_block] * blocks
-    best = {"raw_put": 1e9, "raw_get": 1e9, "put": 1e9, "get": 1e9, "reput": 1e9}
+    best = dict.fromkeys(["raw_put", "raw_get", "put", "get", "reput", "dput", "dget"], 1e9)
     for round_ in range(rounds):  # fresh keys each round; the best time of each step counts
         keys = [block_key(layout.fingerprint(), f"{name}-{round_}-{i:060x}")
                 for i in range(blocks)]
@@ -94,10 +96,21 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
             assert not failed, failed
             mover.scatter(other, staging, order="block")
 
+        direct_keys = [f"{key}/direct" for key in keys]
+
+        def direct_store(keys: list[str] = direct_keys) -> None:
+            result = store.put_parts(keys, mover.block_spans(ids), mover.row_bytes)
+            assert not result.failed, result.failed
+
+        def direct_load(keys: list[str] = direct_keys) -> None:
+            failed = store.get_parts(keys, mover.block_spans(other), mover.row_bytes)
+            assert not failed, failed
+
         for step, fn in (("raw_put", raw_put), ("put", store_request), ("raw_get", raw_get),
-                         ("get", load_request), ("reput", store_request)):
+                         ("get", load_request), ("reput", store_request),
+                         ("dput", direct_store), ("dget", direct_load)):
             best[step] = min(best[step], timed(fn))
-        for key in keys + raw_keys:  # keep the store from filling up
+        for key in keys + raw_keys + direct_keys:  # keep the store from filling up
             store.remove(key, force=True)
     raw_put_s, raw_get_s = best["raw_put"], best["raw_get"]
     put_s, get_s, reput_s = best["put"], best["get"], best["reput"]
@@ -111,6 +124,10 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
     print(f"  raw batch_get_into:   {gib / raw_get_s:6.2f} GiB/s (best of {rounds})")
     print(f"  kvhelper load:        {gib / get_s:6.2f} GiB/s = {raw_get_s / get_s:.2f}x raw "
           "(get + scatter; target >= 0.8x)")
+    print(f"  direct store:         {gib / best['dput']:6.2f} GiB/s = "
+          f"{raw_put_s / best['dput']:.2f}x raw (cache -> store, no staging; CPU caches)")
+    print(f"  direct load:          {gib / best['dget']:6.2f} GiB/s = "
+          f"{raw_get_s / best['dget']:.2f}x raw (store -> cache, no staging; CPU caches)")
     print(f"  storing it again:     {reput_s * 1000:.1f} ms (all {blocks} pages already stored)")
     for buffer in (staging, raw_src, raw_dst):
         store.unregister(buffer)
@@ -129,6 +146,28 @@ def main(tokens: int, rounds: int) -> None:
         gqa = ModelKVSpec("meta-llama/Llama-3.1-8B", False, BLOCK, "bfloat16", 8, 128)
         run_case(store, "GQA", gqa, (blocks, 8, BLOCK, 256), 32, tokens, rounds)
         store.close()
+    print_tiny_model_bytes()
+
+
+def print_tiny_model_bytes() -> None:
+    """KV bytes per token the connector moves for the tiny test models (from their configs)."""
+    import json
+
+    from kvhelper import tiny_models
+
+    with tempfile.TemporaryDirectory() as work:
+        per_token = {}
+        for kind, make in (("MLA", tiny_models.make_mla), ("GQA", tiny_models.make_gqa)):
+            config = json.loads((make(Path(work) / kind) / "config.json").read_text())
+            layers = config["num_hidden_layers"]
+            if kind == "MLA":  # one latent row: kv_lora_rank + rope dims, bf16
+                row = (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
+            else:  # K and V for every KV head, bf16
+                row = 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+            per_token[kind] = layers * row
+    print(f"tiny models: MLA {per_token['MLA']} bytes per token, GQA {per_token['GQA']} bytes "
+          f"per token (MLA/GQA = {per_token['MLA'] / per_token['GQA']:.2f}; the tiny GQA model "
+          "has only 2 KV heads of 64)")
 
 
 if __name__ == "__main__":

@@ -97,3 +97,23 @@ def test_block_major_buffers_hold_each_block_contiguously(kind, layers, data) ->
     dst_mover = PageMover(describe_kv_caches(dst, spec, num_blocks=12), dst)
     dst_mover.scatter(ids, by_block.reshape(-1), order="block")
     assert torch.equal(dst_mover.gather(ids), by_layer.reshape(-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(kind=st.sampled_from(sorted(LAYOUTS)), layers=st.integers(1, 3), data=st.data())
+def test_block_spans_address_exactly_the_bytes_of_a_block_major_value(kind, layers,
+                                                                       data) -> None:
+    shape, spec = LAYOUTS[kind]
+    caches = shared_caches(shape, layers, seed=5)
+    mover = PageMover(describe_kv_caches(caches, spec, num_blocks=12), caches)
+    ids = data.draw(st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True))
+    start, size = mover.storage_span()
+    storage = next(iter(caches.values())).untyped_storage()
+    whole = torch.empty(0, dtype=torch.uint8)
+    whole.set_(storage, 0, (storage.nbytes(),))
+    origin = whole.data_ptr()
+    assert origin <= start and start + size <= origin + storage.nbytes()
+    spans = mover.block_spans(ids)
+    read = torch.cat([whole[a - origin:a - origin + mover.row_bytes]
+                      for block in spans for a in block])
+    assert torch.equal(read, mover.gather(ids, order="block"))

@@ -9,6 +9,10 @@ those parameters, the full blocks are loaded into the blocks vLLM allocated befo
 pass; a page that cannot be read is reported per block so vLLM recomputes or fails, as its
 `kv_load_failure_policy` says. Loads are synchronous in this version.
 
+When the cache is in host memory (vLLM's CPU build), values go straight between the cache and
+the store, one piece per layer and region of a block (Mooncake's multi-buffer batch calls):
+no staging copy. A device cache goes through a host staging buffer.
+
 Prefill also sends its identity and the hash of its last stored block, so a decode instance
 that could never use those pages (another model, block size, dtype or prompt hashing) refuses
 them up front with a message naming the difference, and recomputes. Counters and timings go
@@ -92,6 +96,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self._store: MooncakeKVStore | None = None
         self._mover: PageMover | None = None
         self._staging: torch.Tensor | None = None
+        self._direct = False
         self._fingerprint = ""
         self._failed_blocks: set[int] = set()
         if role == KVConnectorRole.WORKER:
@@ -197,11 +202,17 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self._mover = PageMover(layout, kv_caches)
         self._fingerprint = layout.fingerprint()
         self._store = MooncakeKVStore(self._config)
-        max_blocks = -(-int(self._vllm_config.model_config.max_model_len) // self.block_size)
-        self._staging = torch.empty(self._mover.nbytes(max_blocks), dtype=torch.uint8)
-        self._store.register(self._staging)
-        log.info("kvhelper connector ready: %s, fingerprint %s", layout.describe(),
-                 self._fingerprint)
+        self._direct = self._mover.device.type == "cpu"
+        if self._direct:
+            self._store.register_range(*self._mover.storage_span())
+        else:
+            max_blocks = -(-int(self._vllm_config.model_config.max_model_len)
+                           // self.block_size)
+            self._staging = torch.empty(self._mover.nbytes(max_blocks), dtype=torch.uint8)
+            self._store.register(self._staging)
+        log.info("kvhelper connector ready: %s, fingerprint %s, %s", layout.describe(),
+                 self._fingerprint, "direct cache transfers" if self._direct
+                 else "transfers through a staging buffer")
 
     def _keys(self, hashes: list[str]) -> list[str]:
         assert self._mover is not None
@@ -209,11 +220,16 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         shard = None if layout.rank_agnostic else (layout.spec.tp_size, layout.spec.tp_rank)
         return [block_key(self._fingerprint, h, shard) for h in hashes]
 
+    @property
+    def _block_bytes(self) -> int:
+        assert self._mover is not None
+        return self._mover.layout.page_bytes * self._mover.layout.num_layers
+
     def _slots(self, count: int) -> tuple[list[int], list[int]]:
-        assert self._mover is not None and self._staging is not None
-        per_block = self._mover.layout.page_bytes * self._mover.layout.num_layers
-        base = self._staging.data_ptr()
-        return [base + i * per_block for i in range(count)], [per_block] * count
+        """Places for `count` block values in the staging buffer."""
+        assert self._staging is not None
+        base, size = self._staging.data_ptr(), self._block_bytes
+        return [base + i * size for i in range(count)], [size] * count
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -225,11 +241,15 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         assert self._store is not None and self._mover is not None
         started = time.perf_counter()
         keys = self._keys(load.block_hashes)
-        pointers, sizes = self._slots(len(keys))
-        failed = self._store.get(keys, pointers, sizes)
-        # Pages after the first missing one are useless: a prefix must be contiguous.
+        if self._direct:
+            failed = self._store.get_parts(keys, self._mover.block_spans(load.block_ids),
+                                           self._mover.row_bytes)
+        else:
+            failed = self._store.get(keys, *self._slots(len(keys)))
+        # Pages after the first missing one are useless: a prefix must be contiguous. (Blocks
+        # reported as failed are recomputed, so bytes a direct read left in them do not matter.)
         good = next((i for i, key in enumerate(keys) if key in failed), len(keys))
-        if good:
+        if good and not self._direct:
             assert self._staging is not None
             self._mover.scatter(load.block_ids[:good], self._staging, order="block")
         if good < len(keys):
@@ -240,7 +260,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                         len(keys) - good, len(keys), sorted(set(failed.values())))
         else:
             self.stats.count("requests_loaded")
-        nbytes = good * sum(sizes[:1])
+        nbytes = good * self._block_bytes
         elapsed = time.perf_counter() - started
         self.stats.count("blocks_loaded", good)
         self.stats.count("bytes_loaded", nbytes)
@@ -258,7 +278,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MooncakeStoreConnectorMetadata)
-        assert self._store is not None and self._mover is not None and self._staging is not None
+        assert self._store is not None and self._mover is not None
         layout = self._mover.layout
         if layout.rank_agnostic and layout.spec.tp_rank != 0:
             return  # MLA pages are identical on every rank: rank 0 stores them once
@@ -267,16 +287,20 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                 continue
             started = time.perf_counter()
             keys = self._keys(save.block_hashes)
-            self._mover.gather(save.block_ids, self._staging, order="block")
-            pointers, sizes = self._slots(len(keys))
-            result = self._store.put(keys, pointers, sizes)
+            if self._direct:
+                result = self._store.put_parts(keys, self._mover.block_spans(save.block_ids),
+                                               self._mover.row_bytes)
+            else:
+                assert self._staging is not None
+                self._mover.gather(save.block_ids, self._staging, order="block")
+                result = self._store.put(keys, *self._slots(len(keys)))
             if result.failed:
                 log.warning("request %s: %d KV blocks could not be stored (%s)", save.req_id,
                             len(result.failed), sorted(set(result.failed.values())))
             self.stats.count("blocks_stored", len(result.stored))
             self.stats.count("blocks_skipped", len(result.skipped))
             self.stats.count("blocks_store_failed", len(result.failed))
-            self.stats.count("bytes_stored", len(result.stored) * sizes[0])
+            self.stats.count("bytes_stored", len(result.stored) * self._block_bytes)
             self.stats.observe("store_seconds", time.perf_counter() - started)
             log.info("request %s: stored %d KV blocks, %d already in the store", save.req_id,
                      len(result.stored), len(result.skipped))

@@ -132,6 +132,23 @@ class PageMover:
                                out=self._layer_rows(rows, space, pages))
         return buffer
 
+    def block_spans(self, block_ids: Sequence[int] | torch.Tensor) -> list[list[int]]:
+        """For each block, the addresses of its rows in the cache, in `order="block"` buffer
+        order; each row is `row_bytes` long. Lets a store read or write a block's value
+        straight from or into the cache, with no buffer in between."""
+        self._check_order("block")
+        space = self._spaces[0]
+        index = self.block_index(block_ids)
+        rows = self._rows_of(space, index, "block").reshape(index.numel(), -1)
+        addresses = rows * self.row_bytes + space.rows.data_ptr()
+        return [list(map(int, block)) for block in addresses.tolist()]
+
+    def storage_span(self) -> tuple[int, int]:
+        """(address, bytes) of the one storage every layer lives in, for registering it."""
+        self._check_order("block")
+        rows = self._spaces[0].rows
+        return rows.data_ptr(), rows.shape[0] * self.row_bytes
+
     def scatter(self, block_ids: Sequence[int] | torch.Tensor, buffer: torch.Tensor,
                 order: Order = "layer") -> None:
         """Write pages from `buffer` (as `gather` laid them out) into `block_ids`."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -135,10 +135,7 @@ class MooncakeKVStore:
                              f"{config.master_server_address}", code)
 
     def register(self, buffer: torch.Tensor) -> None:
-        code = self._store.register_buffer(buffer.data_ptr(),
-                                           buffer.numel() * buffer.element_size())
-        if code != 0:
-            raise StoreError("registering a transfer buffer", code)
+        self.register_range(buffer.data_ptr(), buffer.numel() * buffer.element_size())
 
     def unregister(self, buffer: torch.Tensor) -> None:
         self._store.unregister_buffer(buffer.data_ptr())
@@ -152,6 +149,19 @@ class MooncakeKVStore:
     def put(self, keys: Sequence[str], pointers: Sequence[int], sizes: Sequence[int],
             skip_existing: bool = True) -> PutResult:
         """Store each (pointer, size) under its key; keys already stored are left alone."""
+        return self._put(keys, skip_existing, lambda todo: self._store.batch_put_from(
+            [keys[i] for i in todo], [pointers[i] for i in todo], [sizes[i] for i in todo]))
+
+    def put_parts(self, keys: Sequence[str], parts: Sequence[Sequence[int]], part_bytes: int,
+                  skip_existing: bool = True) -> PutResult:
+        """Store each key's value from several equal-sized pieces (addresses in `parts`),
+        concatenated in order: a KV block straight from the cache."""
+        return self._put(keys, skip_existing, lambda todo: self._store.batch_put_from_multi_buffers(
+            [keys[i] for i in todo], [list(parts[i]) for i in todo],
+            [[part_bytes] * len(parts[i]) for i in todo]))
+
+    def _put(self, keys: Sequence[str], skip_existing: bool,
+             write: Callable[[list[int]], Sequence[int]]) -> PutResult:
         result = PutResult()
         todo = list(range(len(keys)))
         if skip_existing and keys:
@@ -159,10 +169,7 @@ class MooncakeKVStore:
             result.skipped = [keys[i] for i in todo if present[i]]
             todo = [i for i in todo if not present[i]]
         if todo:
-            codes = self._store.batch_put_from([keys[i] for i in todo],
-                                               [pointers[i] for i in todo],
-                                               [sizes[i] for i in todo])
-            for i, code in zip(todo, codes, strict=True):
+            for i, code in zip(todo, write(todo), strict=True):
                 if code == 0:
                     result.stored.append(keys[i])
                 else:
@@ -175,14 +182,23 @@ class MooncakeKVStore:
         (a value of the wrong size counts as -600)."""
         if not keys:
             return {}
-        results = self._store.batch_get_into(list(keys), list(pointers), list(sizes))
-        failed = {}
-        for key, size, got in zip(keys, sizes, results, strict=True):
-            if got < 0:
-                failed[key] = int(got)
-            elif got != size:
-                failed[key] = -600
-        return failed
+        return _failures(keys, sizes, self._store.batch_get_into(list(keys), list(pointers),
+                                                                 list(sizes)))
+
+    def get_parts(self, keys: Sequence[str], parts: Sequence[Sequence[int]],
+                  part_bytes: int) -> dict[str, int]:
+        """Read each key's value into several equal-sized pieces, in order (the inverse of
+        `put_parts`); returns the keys that failed, with codes."""
+        if not keys:
+            return {}
+        results = self._store.batch_get_into_multi_buffers(
+            list(keys), [list(p) for p in parts], [[part_bytes] * len(p) for p in parts])
+        return _failures(keys, [part_bytes * len(p) for p in parts], results)
+
+    def register_range(self, address: int, nbytes: int) -> None:
+        code = self._store.register_buffer(address, nbytes)
+        if code != 0:
+            raise StoreError("registering memory for transfers", code)
 
     def size(self, key: str) -> int:
         """Bytes stored under key; StoreError when it is absent."""
@@ -200,6 +216,17 @@ class MooncakeKVStore:
 
     def close(self) -> None:
         self._store.close()
+
+
+def _failures(keys: Sequence[str], sizes: Sequence[int], results: Sequence[int]
+              ) -> dict[str, int]:
+    failed = {}
+    for key, size, got in zip(keys, sizes, results, strict=True):
+        if got < 0:
+            failed[key] = int(got)
+        elif got != size:
+            failed[key] = -600
+    return failed
 
 
 def _check_reachable(address: str, timeout: float = 5.0) -> None:

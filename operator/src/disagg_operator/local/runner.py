@@ -169,7 +169,9 @@ class LocalDeployment:
                         f"start-up; the end of {item.log}:\n{log_tail(item.log)}")
                 if not item.ready and await asyncio.to_thread(_is_ready, item.spec):
                     item.ready = True
-                    self.echo(f"  {item.spec.name} ready after {time.monotonic() - began:.0f}s")
+                    if item.spec.port is not None:  # sidecars have nothing to wait for
+                        self.echo(f"  {item.spec.name} ready after "
+                                  f"{time.monotonic() - began:.0f}s")
             waiting = [i.spec.name for i in self.started if not i.ready and i.spec.port]
             if not waiting:
                 return

@@ -1,0 +1,160 @@
+"""Time to first token and decode speed through the proxy of a local 1P2D deployment, against
+the same requests on one ordinary vLLM instance, with the KV bytes moved per request; both
+measured in this run and printed side by side.
+
+    .venv-serving/bin/python benchmarks/local_1p2d.py [--kind mla|gqa] [--requests 16]
+
+Runs every server on loopback; as root it re-executes itself in a private network namespace.
+Bounded: a fixed number of requests, each with a timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+from disagg_operator.local.cli import load, with_tiny_model
+from disagg_operator.local.runner import LocalDeployment, RunFolder, stop_recorded
+from kvhelper.master_process import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = aiohttp.ClientTimeout(total=300)
+
+
+def prompt(i: int, words: int) -> str:
+    return " ".join(f"w{(i * 7919 + j) % 5000}" for j in range(words))
+
+
+async def one(session: aiohttp.ClientSession, url: str, model: str, text: str,
+              max_tokens: int) -> tuple[float, float, int]:
+    """(time to first token, seconds from first to last token, tokens) of a streamed request."""
+    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    started = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    async with session.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line.removeprefix("data:"))
+            if event.get("choices") and event["choices"][0].get("text") is not None:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                tokens += 1
+    return first - started, last - first, tokens
+
+
+async def measure(url: str, model: str, requests: int, words: int, max_tokens: int,
+                  offset: int) -> list[tuple[float, float, int]]:
+    async with aiohttp.ClientSession() as session:
+        await one(session, url, model, prompt(10_000 + offset, words), 4)  # warm-up
+        return [await one(session, url, model, prompt(offset + i, words), max_tokens)
+                for i in range(requests)]
+
+
+async def metric(url: str, name: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def summarize(label: str, rows: list[tuple[float, float, int]]) -> str:
+    ttft = sorted(r[0] for r in rows)
+    speed = [(r[2] - 1) / r[1] for r in rows if r[1] > 0]
+    return (f"{label:<22} TTFT p50 {statistics.median(ttft) * 1000:7.1f} ms  "
+            f"p90 {ttft[int(0.9 * (len(ttft) - 1))] * 1000:7.1f} ms   "
+            f"decode {statistics.mean(speed):6.1f} tokens/s per request")
+
+
+def start_single(python: str, model: Path, served: str,
+                 log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
+         "--block-size", "32", "--max-model-len", "1024", "--dtype", "bfloat16"],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"single instance did not start; see {log}")
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--kind", choices=["mla", "gqa"], default="mla")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--prompt-words", type=int, default=400)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
+        os.environ["DISAGG_BENCH_NETNS"] = "1"
+        os.execvp("unshare", ["unshare", "-n", "sh", "-c",
+                              'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    with tempfile.TemporaryDirectory(prefix="bench-1p2d-") as scratch:
+        folder = RunFolder(Path(scratch))
+        name, spec = load(ROOT / "examples" / f"tiny-{args.kind}-1p2d.yaml", None)
+        spec = with_tiny_model(spec, folder, sys.executable)
+        model, served = Path(spec.model.name), spec.model.served_model_name or name
+        deployment = LocalDeployment(name, spec, folder, proxy_port=free_port(),
+                                     echo=lambda _: None)
+        try:
+            url = asyncio.run(deployment.up(timeout=900))
+            decodes = [f"http://127.0.0.1:{i.spec.port}" for i in deployment.started
+                       if i.spec.role == "decode"]
+            loaded_before = sum(asyncio.run(metric(u, "vllm:kvhelper_bytes_loaded_total"))
+                                for u in decodes)
+            disagg = asyncio.run(measure(url, served, args.requests, args.prompt_words,
+                                         args.max_tokens, 0))
+            # vLLM publishes connector stats on its logging interval, not per response.
+            deadline = time.monotonic() + 30
+            while (sum(asyncio.run(metric(u, "vllm:kvhelper_requests_loaded_total"))
+                       for u in decodes) < args.requests + 1 and time.monotonic() < deadline):
+                time.sleep(0.5)
+            moved = sum(asyncio.run(metric(u, "vllm:kvhelper_bytes_loaded_total"))
+                        for u in decodes) - loaded_before
+        finally:
+            stop_recorded(folder, lambda _: None)
+        single, single_url = start_single(sys.executable, model, served,
+                                          Path(scratch) / "single.log")
+        try:
+            alone = asyncio.run(measure(single_url, served, args.requests, args.prompt_words,
+                                        args.max_tokens, 0))
+        finally:
+            os.killpg(single.pid, 15)
+            single.wait(30)
+    prompt_tokens = args.prompt_words  # about one token per word with the tiny tokenizer
+    print(f"tiny {args.kind.upper()} model, {args.requests} sequential streamed requests of "
+          f"~{prompt_tokens} prompt words and {args.max_tokens} tokens, vLLM CPU build")
+    print(summarize("1P2D through the proxy", disagg))
+    print(summarize("one instance", alone))
+    ratio = statistics.median(r[0] for r in disagg) / statistics.median(r[0] for r in alone)
+    print(f"TTFT ratio (1P2D / one instance): {ratio:.2f}x")
+    print(f"KV loaded by decode: {moved / max(1, args.requests + 1) / 1024:.0f} KiB per request")
+
+
+if __name__ == "__main__":
+    main()
