@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -36,12 +35,6 @@ BLOCK = 16
 def private_network() -> bool:
     lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
     return [line.split(":")[0].strip() for line in lines] == ["lo"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def timed(fn) -> float:  # type: ignore[no-untyped-def]
