@@ -124,6 +124,7 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
     print(f"  storing it again:     {reput_s * 1000:.1f} ms (all {blocks} pages already stored)")
     for buffer in (staging, raw_src, raw_dst):
         store.unregister(buffer)
+    store.unregister_range(mover.storage_span()[0])
 
 
 def main(tokens: int, rounds: int) -> None:

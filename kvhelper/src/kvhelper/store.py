@@ -138,7 +138,10 @@ class MooncakeKVStore:
         self.register_range(buffer.data_ptr(), buffer.numel() * buffer.element_size())
 
     def unregister(self, buffer: torch.Tensor) -> None:
-        self._store.unregister_buffer(buffer.data_ptr())
+        self.unregister_range(buffer.data_ptr())
+
+    def unregister_range(self, address: int) -> None:
+        self._store.unregister_buffer(address)
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
