@@ -14,6 +14,7 @@ from typing import Any
 import click
 import yaml
 
+from disagg_operator.local.commands import LocalPlanError
 from disagg_operator.local.runner import LocalDeployment, RunFolder, StartupError, stop_recorded
 from disagg_operator.spec import DisaggServingSpec, InvalidSpecError, parse_spec
 
@@ -87,7 +88,7 @@ def _up(name: str, spec: DisaggServingSpec, folder: RunFolder, python: str,
                                  echo=click.echo)
     try:
         return asyncio.run(deployment.up(timeout))
-    except StartupError as err:
+    except (StartupError, LocalPlanError) as err:
         raise click.ClickException(str(err)) from None
 
 

@@ -162,11 +162,8 @@ class LocalDeployment:
         last_report = time.monotonic()
         began = last_report
         while True:
+            self._check_alive()
             for item in self.started:
-                if item.process.poll() is not None:
-                    raise StartupError(
-                        f"{item.spec.name} exited with code {item.process.returncode} during "
-                        f"start-up; the end of {item.log}:\n{log_tail(item.log)}")
                 if not item.ready and await asyncio.to_thread(_is_ready, item.spec):
                     item.ready = True
                     if item.spec.port is not None:  # sidecars have nothing to wait for
@@ -183,6 +180,13 @@ class LocalDeployment:
                 self.echo(f"  waiting for {', '.join(waiting)} "
                           f"({last_report - began:.0f}s)")
             await asyncio.sleep(0.5)
+
+    def _check_alive(self) -> None:
+        for item in self.started:
+            if item.process.poll() is not None:
+                raise StartupError(
+                    f"{item.spec.name} exited with code {item.process.returncode} during "
+                    f"start-up; the end of {item.log}:\n{log_tail(item.log)}")
 
     def find(self, name: str) -> Started:
         for item in self.started:
@@ -221,11 +225,7 @@ class LocalDeployment:
             if len(healthy) >= expected:
                 self.echo(f"  proxy routes to {len(healthy)} instances")
                 return
-            for item in self.started:
-                if item.process.poll() is not None:
-                    raise StartupError(f"{item.spec.name} exited with code "
-                                       f"{item.process.returncode}; the end of {item.log}:\n"
-                                       + log_tail(item.log))
+            self._check_alive()
             if time.monotonic() > deadline:
                 raise StartupError(f"the proxy sees {len(healthy)} of {expected} instances; "
                                    f"see the registrar logs in {self.folder.logs}")
