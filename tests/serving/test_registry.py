@@ -17,6 +17,7 @@ from disagg_operator.etcd_process import EtcdProcess
 from disagg_operator.waiting import wait_for
 from kvhelper.discovery import EtcdDiscovery
 from kvhelper.instances import Instance
+from kvhelper.master_process import free_port
 from kvhelper.registry import Registrar, RegistrarConfig
 
 from .fake_vllm import FakeVLLM
@@ -57,23 +58,25 @@ async def background() -> AsyncIterator[Background]:
     await tasks.close()
 
 
-def registrar_for(fake: FakeVLLM, role: str, etcd: EtcdProcess, ttl: int = 2) -> Registrar:
+def registrar_for(fake: FakeVLLM, role: str, etcd: EtcdProcess, ttl: int = 2,
+                  endpoints: list[tuple[str, int]] | None = None) -> Registrar:
     instance = Instance(id=fake.name, role=role, url=fake.url, model="tiny",  # type: ignore[arg-type]
                         fingerprint="fp1")
     return Registrar(RegistrarConfig(
         instance=instance, health_url=f"{fake.url}/health",
-        etcd=[("127.0.0.1", etcd.client_port)], prefix=PREFIX, ttl=ttl, interval=0.2,
-        unhealthy_after=2))
+        etcd=endpoints or [("127.0.0.1", etcd.client_port)], prefix=PREFIX, ttl=ttl,
+        interval=0.2, unhealthy_after=2))
 
 
-def follow(etcd: EtcdProcess, background: Background) -> dict[str, Instance]:
+def follow(etcd: EtcdProcess, background: Background,
+           endpoints: list[tuple[str, int]] | None = None) -> dict[str, Instance]:
     view: dict[str, Instance] = {}
 
     def update(instances: dict[str, Instance]) -> None:
         view.clear()
         view.update(instances)
 
-    discovery = EtcdDiscovery([("127.0.0.1", etcd.client_port)], PREFIX,
+    discovery = EtcdDiscovery(endpoints or [("127.0.0.1", etcd.client_port)], PREFIX,
                               backoff=(0.1, 0.2, 0.5))
     background.start(discovery.run(update, asyncio.Event()))
     return view
@@ -134,6 +137,20 @@ async def test_discovery_and_registration_survive_an_etcd_restart(etcd, backgrou
             await client.put(late.key(PREFIX).encode(), late.to_json())
         await wait_for(lambda: urls(view) == {fake.url, "http://late:8000"}, 20,
                        "discovery to reconnect and see both instances")
+    finally:
+        await fake.stop()
+
+
+async def test_both_sides_fail_over_to_the_next_etcd_endpoint(etcd, background) -> None:
+    """`--etcd a,b`: with member a down, registrar and proxy both carry on through b."""
+    endpoints = [("127.0.0.1", free_port()), ("127.0.0.1", etcd.client_port)]  # a: nobody there
+    fake = await FakeVLLM("d1").start()
+    try:
+        view = follow(etcd, background, endpoints)
+        registrar = registrar_for(fake, "decode", etcd, ttl=5, endpoints=endpoints)
+        background.start(registrar.run(asyncio.Event()))
+        await wait_for(lambda: urls(view) == {fake.url}, 30, "registration and discovery via b")
+        assert registrar.registered.is_set()
     finally:
         await fake.stop()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -44,12 +45,21 @@ class Registrar:
         self.registered = asyncio.Event()
         self._lease: aetcd.Lease | None = None
         self._client: aetcd.Client | None = None
+        self._endpoint = 0  # index into config.etcd of the member in use
 
     async def _etcd(self) -> aetcd.Client:
         if self._client is None:
-            host, port = self.config.etcd[0]
+            host, port = self.config.etcd[self._endpoint]
             self._client = aetcd.Client(host=host, port=port, timeout=5)
         return self._client
+
+    async def _next_endpoint(self) -> None:
+        """Give up on the member in use: the next attempt goes to the next `--etcd` endpoint."""
+        client, self._client = self._client, None
+        self._endpoint = (self._endpoint + 1) % len(self.config.etcd)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
 
     async def _healthy(self, session: aiohttp.ClientSession) -> bool:
         try:
@@ -100,7 +110,9 @@ class Registrar:
                             await self.register()
                         except Exception as err:
                             self._lease = None
-                            log.warning("cannot register in etcd yet: %s", err)
+                            log.warning("cannot register in etcd at %s:%s yet: %s",
+                                        *self.config.etcd[self._endpoint], err)
+                            await self._next_endpoint()
                 else:
                     failures += 1
                     if failures >= self.config.unhealthy_after and self._lease is not None:
