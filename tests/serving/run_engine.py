@@ -5,40 +5,79 @@ REQUEST: {"model", "block_size", "prompts" (texts, or lists of token ids), "max_
           "max_model_len" (default 512), "kv_transfer_config" (or null),
           "kv_transfer_params" (list, one per prompt, or null),
           "warm_prefix_cache" (optional: run the prompts once first, with prefix caching, so
-          the reported run reuses their cached full blocks),
-          "one_at_a_time" (optional: each prompt alone, not batched with the others)}
-RESULT:  {"token_ids": [[...], ...], "kv_transfer_params": [...]}
+          the reported run reuses their cached full blocks; that first, cold run is reported
+          as "cold_token_ids"),
+          "one_at_a_time" (optional: each prompt alone, not batched with the others),
+          "reference" (optional: afterwards, run the prompts again on this same engine without
+          kv_transfer_params: what recomputing them gives here)}
+RESULT:  {"token_ids": [[...], ...], "finish_reasons": [...], "kv_transfer_params": [...],
+          "cold_token_ids" (with "warm_prefix_cache"),
+          "reference_token_ids" (with "reference")}
+
+The engine runs in this one process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0, and the
+executor is "uni", vLLM's default for one GPU): the arithmetic is the same as with separate
+engine-core and worker processes, and start-up takes a third of the time on a small machine.
 """
 
 import json
 import sys
+from typing import Any
+
+
+def keep_prefix_caching_on() -> None:
+    """vLLM's CPU platform turns prefix caching off for MLA models (its CPU MLA backend is
+    "reference quality"), so an ordinary instance would compute every prompt from scratch, while
+    a decode instance that loaded KV computes only the rest of the prompt, over cached blocks.
+    To compare like with like, the baseline keeps prefix caching on."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    update = platform.check_and_update_config.__func__  # type: ignore[attr-defined]
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        update(cls, vllm_config)
+        vllm_config.cache_config.enable_prefix_caching = True
+
+    platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore
 
 
 def main() -> None:
     from vllm import LLM, SamplingParams
 
     request = json.loads(open(sys.argv[1]).read())
+    if request.get("warm_prefix_cache"):
+        keep_prefix_caching_on()
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p}
                for p in request["prompts"]]
     sizing = {"block_size": request["block_size"]} if request.get("block_size") else {}
-    llm = LLM(model=request["model"], enforce_eager=True,
+    llm = LLM(model=request["model"], enforce_eager=True, distributed_executor_backend="uni",
               max_model_len=request.get("max_model_len", 512), **sizing,
               kv_transfer_config=request.get("kv_transfer_config"), seed=0,
-              enable_prefix_caching=bool(request.get("warm_prefix_cache")))
+              enable_prefix_caching=bool(request.get("warm_prefix_cache")
+                                         or request.get("prefix_caching")))
     params = request.get("kv_transfer_params") or [None] * len(prompts)
-    sampling = [SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
-                               extra_args={"kv_transfer_params": p} if p else None)
-                for p in params]
+
+    def sampling(extra: dict[str, Any] | None) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
+                              extra_args={"kv_transfer_params": extra} if extra else None)
+
     groups = ([[i] for i in range(len(prompts))] if request.get("one_at_a_time")
               else [list(range(len(prompts)))])
-    outputs = []
+    outputs, cold = [], []
     for group in groups:
         if request.get("warm_prefix_cache"):
-            llm.generate([prompts[i] for i in group],
-                         SamplingParams(temperature=0.0, max_tokens=1))
-        outputs += llm.generate([prompts[i] for i in group], [sampling[i] for i in group])
-    result = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
-              "kv_transfer_params": [o.kv_transfer_params for o in outputs]}
+            cold += llm.generate([prompts[i] for i in group], sampling(None))
+        outputs += llm.generate([prompts[i] for i in group],
+                                [sampling(params[i]) for i in group])
+    result: dict[str, Any] = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
+                              "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
+                              "kv_transfer_params": [o.kv_transfer_params for o in outputs]}
+    if cold:
+        result["cold_token_ids"] = [list(o.outputs[0].token_ids) for o in cold]
+    if request.get("reference"):
+        again = [llm.generate([prompts[i] for i in group], sampling(None)) for group in groups]
+        result["reference_token_ids"] = [list(o.outputs[0].token_ids)
+                                         for batch in again for o in batch]
     open(sys.argv[2], "w").write(json.dumps(result))
 
 

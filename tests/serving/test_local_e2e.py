@@ -115,16 +115,17 @@ def prompt_ids(data: dict[str, Any]) -> list[int] | None:
     return list(ids) if ids else None
 
 
-def baseline(served: Served, prompts: list[list[int]], tmp: Path,
-             warm: bool = True) -> list[list[int]]:
+def baseline(served: Served, prompts: list[list[int]],
+             tmp: Path) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens of one ordinary instance for these exact prompt tokens, one request at a
     time as they were sent, each prompt's full blocks already in its prefix cache: the
-    arithmetic of a decode instance that loaded them (see test_connector.baseline)."""
-    result, _ = run_engine(tmp, f"baseline-{served.kind}-{'warm' if warm else 'cold'}", {
+    arithmetic of a decode instance that loaded them (see test_connector.baseline); and second,
+    the same prompts computed from scratch, as by a decode that recomputes them."""
+    result, _ = run_engine(tmp, f"baseline-{served.kind}", {
         "model": str(served.model), "block_size": 32, "prompts": prompts,
         "max_tokens": MAX_TOKENS, "max_model_len": 1024,
-        "warm_prefix_cache": warm, "one_at_a_time": True})
-    return list(result["token_ids"])
+        "warm_prefix_cache": True, "one_at_a_time": True})
+    return list(result["token_ids"]), list(result["cold_token_ids"])
 
 
 async def metric_sum(session: aiohttp.ClientSession, urls: list[str], name: str) -> float:
@@ -163,7 +164,7 @@ def test_outputs_equal_a_single_instance_with_kv_from_the_store(served, tmp_path
 
     results = asyncio.run(run())
     assert all(r["status"] == 200 and len(r["ids"]) == MAX_TOKENS for r in results), results
-    expected = baseline(served, [r["prompt_ids"] for r in results], tmp_path)
+    expected, _ = baseline(served, [r["prompt_ids"] for r in results], tmp_path)
     assert [r["ids"] for r in results] == expected
 
 
@@ -183,8 +184,7 @@ def test_store_restart_recovers_without_wrong_output(served, tmp_path) -> None:
     assert all(r["status"] == 200 for r in results), results
     prompts = [r["prompt_ids"] for r in results]
     # KV the restart lost is recomputed: then the output is a cold single instance's.
-    loaded, cold = baseline(served, prompts, tmp_path), baseline(served, prompts, tmp_path,
-                                                                 warm=False)
+    loaded, cold = baseline(served, prompts, tmp_path)
     for result, if_loaded, if_recomputed in zip(results, loaded, cold, strict=True):
         assert result["ids"] in (if_loaded, if_recomputed)
 

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 # Under "vllm" so that vLLM's logging configuration (format, level) applies to our lines.
 log = logging.getLogger("vllm.kvhelper.connector")
 # In kv_transfer_params, from prefill to decode:
-PARAMS_KEY = "kvhelper_tokens"  # how many prompt tokens are stored (whole blocks)
+PARAMS_KEY = "kvhelper_tokens"  # how many prompt tokens decode can load (whole blocks)
 IDENTITY_KEY = "kvhelper_identity"  # compat.identity() of the prefill instance
 PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last stored block
 
@@ -174,9 +174,13 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             full = min(len(request.block_hashes), request.num_prompt_tokens // self.block_size)
             hashes = [bytes(h).hex() for h in request.block_hashes[:full]]
             meta.saves.append(Transfer(req_id, hashes, self._block_ids[req_id][:full]))
-            self._saved_tokens[req_id] = full * self.block_size
-            if hashes:
-                self._prefix_hashes[req_id] = hashes[-1]
+            # Every full block is stored (a longer prompt may share them), but decode must
+            # compute the last prompt token itself: tell it of the blocks before that token, so
+            # that the prefix hash it checks is that of the last block it will really read.
+            usable = min(full, (request.num_prompt_tokens - 1) // self.block_size)
+            self._saved_tokens[req_id] = usable * self.block_size
+            if usable:
+                self._prefix_hashes[req_id] = hashes[usable - 1]
         return meta
 
     def request_finished(self, request: Request,
