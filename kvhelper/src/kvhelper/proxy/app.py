@@ -99,6 +99,14 @@ class Proxy:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
+        # Built once: these are per-request costs on the proxy's hot path.
+        self._prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
+                                                      sock_connect=config.connect_timeout)
+        self._decode_timeout = aiohttp.ClientTimeout(total=None,
+                                                     sock_connect=config.connect_timeout,
+                                                     sock_read=config.decode_timeout)
+        self._prefill_seconds = self.metrics.phase.labels("prefill")
+        self._decode_seconds = self.metrics.phase.labels("decode")
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -118,7 +126,9 @@ class Proxy:
     async def _start(self, _: web.Application) -> None:
         # One pooled client: aiohttp keeps a connection pool per backend host.
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.config.max_concurrency)
-        self._session = aiohttp.ClientSession(connector=connector)
+        # No cookie jar: one backend's cookies must never reach another client's request.
+        self._session = aiohttp.ClientSession(connector=connector,
+                                              cookie_jar=aiohttp.DummyCookieJar())
         self._tasks = [asyncio.create_task(self.discovery.run(self.pool.update, self._stop)),
                        asyncio.create_task(self._health_loop())]
 
@@ -189,8 +199,6 @@ class Proxy:
     async def _prefill(self, path: str, body: dict[str, Any],
                        request_id: str) -> tuple[Backend, Any]:
         tried: list[Backend] = []
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout,
-                                        sock_connect=self.config.connect_timeout)
         started = time.perf_counter()
         for _attempt in range(2):  # a refused connection is retried once on another instance
             backend = self.pool.pick("prefill", exclude=tried)
@@ -201,12 +209,12 @@ class Proxy:
             try:
                 async with self.session.post(f"{backend.url}{path}", json=prefill_request(body),
                                              headers={REQUEST_ID: request_id},
-                                             timeout=timeout) as response:
+                                             timeout=self._prefill_timeout) as response:
                     raw = await response.read()
                     if response.status != 200:
                         self.metrics.upstream_errors.labels("prefill", str(response.status)).inc()
                         raise _upstream_error(response.status, raw, "prefill")
-                    self.metrics.phase.labels("prefill").observe(time.perf_counter() - started)
+                    self._prefill_seconds.observe(time.perf_counter() - started)
                     data = _parse(raw)
                     return backend, data.get("kv_transfer_params")
             except aiohttp.ClientConnectorError as err:
@@ -231,15 +239,13 @@ class Proxy:
 
     async def _decode(self, request: web.Request, backend: Backend, body: dict[str, Any],
                       request_id: str) -> web.StreamResponse:
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.config.connect_timeout,
-                                        sock_read=self.config.decode_timeout)
         started = time.perf_counter()
         backend.outstanding += 1
         streaming: web.StreamResponse | None = None
         try:
             async with self.session.post(f"{backend.url}{request.path}", json=body,
                                          headers={REQUEST_ID: request_id},
-                                         timeout=timeout) as upstream:
+                                         timeout=self._decode_timeout) as upstream:
                 if upstream.status != 200:
                     self.metrics.upstream_errors.labels("decode", str(upstream.status)).inc()
                     raise _upstream_error(upstream.status, await upstream.read(), "decode")
@@ -248,14 +254,14 @@ class Proxy:
                                                                 "application/json")}
                 if not body.get("stream"):
                     raw = await upstream.read()
-                    self.metrics.phase.labels("decode").observe(time.perf_counter() - started)
+                    self._decode_seconds.observe(time.perf_counter() - started)
                     return web.Response(body=raw, status=200, headers=headers)
                 streaming = web.StreamResponse(status=200, headers=headers)
                 await streaming.prepare(request)
                 first = True
                 async for chunk in upstream.content.iter_any():
                     if first:
-                        self.metrics.phase.labels("decode").observe(time.perf_counter() - started)
+                        self._decode_seconds.observe(time.perf_counter() - started)
                         first = False
                     await streaming.write(chunk)
                 await streaming.write_eof()
