@@ -81,13 +81,14 @@ def summarize(label: str, rows: list[tuple[float, float, int]]) -> str:
             f"decode {statistics.mean(speed):6.1f} tokens/s per request")
 
 
-def start_single(python: str, model: Path, served: str,
+def start_single(python: str, model: Path, served: str, extra_args: list[str],
                  log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """One ordinary vLLM server, with the decode instances' own extra arguments."""
     port = free_port()
     process = subprocess.Popen(
         [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
-         "--block-size", "32", "--max-model-len", "1024", "--dtype", "bfloat16"],
+         "--block-size", "32", "--max-model-len", "1024", "--dtype", "bfloat16", *extra_args],
         stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
@@ -139,6 +140,7 @@ def main() -> None:
         finally:
             stop_recorded(folder, lambda _: None)
         single, single_url = start_single(sys.executable, model, served,
+                                          list(spec.decode.extra_args),
                                           Path(scratch) / "single.log")
         try:
             alone = asyncio.run(measure(single_url, served, args.requests, args.prompt_words,

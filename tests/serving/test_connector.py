@@ -156,9 +156,12 @@ def prefill(tmp: Path, request: dict[str, Any], master: str) -> tuple[list[dict[
 
 
 def decode(tmp: Path, request: dict[str, Any], master: str, params: list[dict[str, Any]],
-           policy: str = "recompute", reference: bool = False) -> tuple[dict[str, Any], str]:
+           policy: str = "recompute", reference: bool = False,
+           load_async: bool = True) -> tuple[dict[str, Any], str]:
+    # Asynchronous loads (opt-in) unless a test asks for loads inside the step (the default).
     """The decode engine's result; with `reference`, also the same prompts recomputed on it."""
     config = {**connector_config("kv_consumer", master), "kv_load_failure_policy": policy}
+    config["kv_connector_extra_config"]["load_async"] = load_async
     return run_engine(tmp, "decode", {**request, "max_tokens": 8, "kv_transfer_config": config,
                                       "kv_transfer_params": params, "reference": reference})
 
@@ -180,9 +183,9 @@ def prefilled(tiny_models, mooncake, tmp_path_factory) -> Callable[[str], list[d
     return of
 
 
-def loaded_blocks(log: str) -> list[int]:
-    """Blocks loaded per request, from the connector's log lines."""
-    return [int(m) for m in re.findall(r"loaded (\d+) KV blocks", log)]
+def loaded_blocks(log: str, mode: str = "async") -> list[int]:
+    """Blocks loaded per request, from the connector's log lines (async, or in the step)."""
+    return [int(m) for m in re.findall(rf"loaded (\d+) KV blocks .* \({mode}\)", log)]
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
@@ -226,8 +229,10 @@ def test_corrupted_pages_change_the_output(tiny_models, mooncake, baseline, tmp_
             client.unregister(page)
     finally:
         client.close()
-    result, decode_log = decode(tmp_path, request, mooncake, params)
-    assert all(loaded_blocks(decode_log)), "the corrupted pages were not even loaded"
+    # Loaded inside the step this time (load_async false, the default), the other way.
+    result, decode_log = decode(tmp_path, request, mooncake, params, load_async=False)
+    loaded = loaded_blocks(decode_log, "in the step")
+    assert len(loaded) == len(PROMPTS) and all(loaded), "the corrupted pages were not loaded"
     for ours, expected in zip(result["token_ids"], baseline("mla")["token_ids"], strict=True):
         assert ours != expected
 
@@ -249,8 +254,10 @@ def test_absent_pages_follow_the_load_failure_policy(policy, tiny_models, moonca
     # by other tests match (keys are namespaced by fingerprint).
     model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-renamed")
     params = [{"do_remote_prefill": True, "kvhelper_tokens": 64}] * len(PROMPTS)
+    # Both ways of loading: asynchronous and inside the step (the default).
     result, decode_log = decode(tmp_path, common("gqa", tiny_models, model), mooncake, params,
-                                policy=policy, reference=policy == "recompute")
+                                policy=policy, reference=policy == "recompute",
+                                load_async=policy == "recompute")
     assert "could not be loaded" in decode_log
     if policy == "recompute":  # recomputed, never wrong
         assert result["token_ids"] == result["reference_token_ids"]

@@ -7,7 +7,11 @@ block-major and stored (existing keys are skipped); `request_finished` tells the
 `kv_transfer_params`, how many tokens decode can load. Consumer (decode): for a request carrying
 those parameters, the full blocks are loaded into the blocks vLLM allocated before the forward
 pass; a page that cannot be read is reported per block so vLLM recomputes or fails, as its
-`kv_load_failure_policy` says. Loads are synchronous in this version.
+`kv_load_failure_policy` says. Loads run inside the scheduler step by default. With
+`kv_connector_extra_config: {"load_async": true}` (experimental) the request waits in vLLM's
+WAITING_FOR_REMOTE_KVS state while one loader thread reads its pages, and other requests keep
+running; it passes the 1P1D tests, but in the local 1P2D deployment some reads from another
+instance's segment stalled until Mooncake's 30 s transfer timeout, so it is not the default.
 
 When the cache is in host memory (vLLM's CPU build), values go straight between the cache and
 the store, one piece per layer and region of a block (Mooncake's multi-buffer batch calls):
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +74,15 @@ class Transfer:
 
 
 @dataclass
+class LoadOutcome:
+    """What reading one request's pages gave: the first `good` blocks are in place."""
+    load: Transfer
+    good: int
+    errors: list[int]  # store error codes of the failed keys
+    seconds: float
+
+
+@dataclass
 class MooncakeStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
@@ -85,6 +99,10 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self.is_consumer = bool(transfer.is_kv_consumer)
         self.extra = dict(transfer.kv_connector_extra_config or {})
         self.identity = compat.identity(vllm_config)  # refuses unshareable settings at start
+        self.load_async = self.extra.get("load_async", False)
+        if not isinstance(self.load_async, bool):
+            raise ValueError("kv_connector_extra_config.load_async must be true or false, not "
+                             f"{self.load_async!r}")
         self.stats = TransferStats()
         # Scheduler side
         self._requests: dict[str, Request] = {}
@@ -99,6 +117,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self._direct = False
         self._fingerprint = ""
         self._failed_blocks: set[int] = set()
+        # One thread: loads run in order, and at most one uses the staging buffer at a time.
+        self._loader: ThreadPoolExecutor | None = None
+        self._loading: dict[str, Future[LoadOutcome]] = {}
         if role == KVConnectorRole.WORKER:
             # Fail at start-up, not at the first request, on missing or contradictory settings.
             self._config = MooncakeConfig.load(self.extra)
@@ -119,8 +140,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             params["do_remote_prefill"] = False
             self.stats.count("requests_refused")
             return 0, False
-        external = blocks * self.block_size - num_computed_tokens
-        return max(0, external), False
+        external = max(0, blocks * self.block_size - num_computed_tokens)
+        return external, self.load_async and external > 0
 
     def _compatible(self, request: Request, params: dict[str, Any], stored_blocks: int) -> bool:
         theirs = params.get(IDENTITY_KEY)
@@ -238,39 +259,73 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, MooncakeStoreConnectorMetadata)
+        assert self._mover is not None
         for load in meta.loads:
-            self._load(load)
+            # Keys and addresses here, so that the loader thread needs the GIL as little as
+            # possible: vLLM's busy loop holds it, and each hand-over can cost a switch interval.
+            started = time.perf_counter()
+            keys = self._keys(load.block_hashes)
+            spans = self._mover.block_spans(load.block_ids) if self._direct else None
+            if self.load_async:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvhelper-load")
+                self._loading[load.req_id] = self._loader.submit(self._read, load, keys, spans,
+                                                                 started)
+            else:
+                self._account(self._read(load, keys, spans, started))
 
-    def _load(self, load: Transfer) -> None:
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads are over, failed blocks included (they are in
+        `get_block_ids_with_load_errors`, which vLLM asks right after this, in the same step)."""
+        done = {req_id for req_id, future in self._loading.items() if future.done()}
+        for req_id in done:
+            self._account(self._loading.pop(req_id).result())
+        return None, done or None
+
+    def _read(self, load: Transfer, keys: list[str], spans: list[list[int]] | None,
+              started: float) -> LoadOutcome:
+        """Read a request's pages into its blocks (on the loader thread when loads are async):
+        straight into the cache at `spans`, or through the staging buffer. The time counts
+        from `started`, when the load was asked for."""
         assert self._store is not None and self._mover is not None
-        started = time.perf_counter()
-        keys = self._keys(load.block_hashes)
-        if self._direct:
-            failed = self._store.get_parts(keys, self._mover.block_spans(load.block_ids),
-                                           self._mover.row_bytes)
-        else:
-            failed = self._store.get(keys, *self._slots(len(keys)))
+        try:
+            if spans is not None:
+                failed = self._store.get_parts(keys, spans, self._mover.row_bytes)
+            else:
+                failed = self._store.get(keys, *self._slots(len(keys)))
+        except Exception as err:  # never lose a request's completion: count it all as failed
+            log.warning("request %s: reading KV pages failed: %s", load.req_id, err)
+            failed = dict.fromkeys(keys, -1)
         # Pages after the first missing one are useless: a prefix must be contiguous. (Blocks
         # reported as failed are recomputed, so bytes a direct read left in them do not matter.)
         good = next((i for i, key in enumerate(keys) if key in failed), len(keys))
-        if good and not self._direct:
+        if good and spans is None:
+            # Still on the loader thread: the next load may not reuse the staging buffer yet.
             assert self._staging is not None
             self._mover.scatter(load.block_ids[:good], self._staging, order="block")
-        if good < len(keys):
+        return LoadOutcome(load, good, sorted(set(failed.values())),
+                           time.perf_counter() - started)
+
+    def _account(self, outcome: LoadOutcome) -> None:
+        """Report a finished load: failed blocks to vLLM, counts to the stats, a log line."""
+        load, good = outcome.load, outcome.good
+        total = len(load.block_ids)
+        if good < total:
             self._failed_blocks.update(load.block_ids[good:])
             self.stats.count("requests_load_failed")
-            self.stats.count("blocks_load_failed", len(keys) - good)
+            self.stats.count("blocks_load_failed", total - good)
             log.warning("request %s: %d of %d KV blocks could not be loaded (%s)", load.req_id,
-                        len(keys) - good, len(keys), sorted(set(failed.values())))
+                        total - good, total, outcome.errors)
         else:
             self.stats.count("requests_loaded")
         nbytes = good * self._block_bytes
-        elapsed = time.perf_counter() - started
         self.stats.count("blocks_loaded", good)
         self.stats.count("bytes_loaded", nbytes)
-        self.stats.observe("load_seconds", elapsed)
-        log.info("request %s: loaded %d KV blocks (%d bytes) from the store in %.1f ms",
-                 load.req_id, good, nbytes, elapsed * 1000)
+        self.stats.observe("load_seconds", outcome.seconds)
+        log.info("request %s: loaded %d KV blocks (%d bytes) from the store in %.1f ms (%s)",
+                 load.req_id, good, nbytes, outcome.seconds * 1000,
+                 "async" if self.load_async else "in the step")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -330,6 +385,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                    per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self._loader is not None:  # loads in flight write into the cache: let them end
+            self._loader.shutdown(wait=True, cancel_futures=False)
+            self._loader = None
         if self._store is not None:
             self._store.close()
             self._store = None
