@@ -104,13 +104,17 @@ def down_cmd(name: str | None, run_dir: Path | None) -> None:
     click.echo(f"stopped {stopped} processes" if stopped else "nothing was running")
 
 
+# A few blocks long: decode loads every full block before the prompt's last token.
+DEMO_PROMPT = ("prefill computes the prompt and decode generates the answer while pages move "
+               "between instances through the store; " * 3).strip()
+
+
 @local.command("demo")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
                 default=DEMO_EXAMPLE, required=False)
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
 @click.option("--python", "python", default=sys.executable, show_default=True)
-@click.option("--prompt", default="prefill computes the prompt and decode generates the answer "
-              "while pages move between instances through the store", show_default=True)
+@click.option("--prompt", default=DEMO_PROMPT, show_default=True)
 def demo_cmd(path: Path, run_dir: Path | None, python: str, prompt: str) -> None:
     """Generate a tiny model, start PATH (default: 1 prefill + 2 decode) with it, send one
     completion through the proxy, print it, and stop everything."""
@@ -127,9 +131,32 @@ def demo_cmd(path: Path, run_dir: Path | None, python: str, prompt: str) -> None
         click.echo(f"prompt:     {prompt}")
         click.echo(f"completion: {answer['choices'][0]['text']!r}")
         click.echo(f"usage:      {answer.get('usage')}")
+        blocks, nbytes = _kv_loaded(url, deadline=time.monotonic() + 30)
+        click.echo(f"KV moved:   the decode instances loaded {blocks:.0f} blocks "
+                   f"({nbytes:.0f} bytes) from the Mooncake store" if blocks else
+                   "KV moved:   nothing (a prompt shorter than one block is recomputed)")
     finally:
         stop_recorded(folder, lambda _: None)
         click.echo("stopped")
+
+
+def _kv_loaded(proxy_url: str, deadline: float) -> tuple[float, float]:
+    """Blocks and bytes the decode instances loaded from the store, from their /metrics (vLLM
+    publishes connector counters at its stats interval, so this waits for them a while)."""
+    with urllib.request.urlopen(f"{proxy_url}/instances", timeout=10) as response:
+        decodes = [i["url"] for i in json.loads(response.read()) if i["role"] == "decode"]
+    while True:
+        totals = [0.0, 0.0]
+        for url in decodes:
+            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+                for line in response.read().decode().splitlines():
+                    for i, name in enumerate(("vllm:kvhelper_blocks_loaded_total",
+                                              "vllm:kvhelper_bytes_loaded_total")):
+                        if line.startswith((name + "{", name + " ")):
+                            totals[i] += float(line.rsplit(" ", 1)[1])
+        if totals[0] or time.monotonic() > deadline:
+            return totals[0], totals[1]
+        time.sleep(1)
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
