@@ -24,18 +24,19 @@ from pathlib import Path
 
 import aiohttp
 from disagg_operator.local.cli import load, with_tiny_model
-from disagg_operator.local.runner import LocalDeployment, RunFolder, stop_recorded
+from disagg_operator.local.runner import LocalDeployment, RunFolder, local_defaults, stop_recorded
 from kvhelper.master_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = aiohttp.ClientTimeout(total=300)
 
 
-def prompt(i: int, words: int) -> str:
-    return " ".join(f"w{(i * 7919 + j) % 5000}" for j in range(words))
+def prompt(i: int, tokens: int, vocab: int) -> list[int]:
+    """Request i's prompt: `tokens` token ids, different for every i (no shared prefixes)."""
+    return [10 + (i * 7919 + j * 104729) % (vocab - 10) for j in range(tokens)]
 
 
-async def one(session: aiohttp.ClientSession, url: str, model: str, text: str,
+async def one(session: aiohttp.ClientSession, url: str, model: str, text: list[int],
               max_tokens: int) -> tuple[float, float, int]:
     """(time to first token, seconds from first to last token, tokens) of a streamed request."""
     body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
@@ -58,11 +59,11 @@ async def one(session: aiohttp.ClientSession, url: str, model: str, text: str,
     return first - started, last - first, tokens
 
 
-async def measure(url: str, model: str, requests: int, words: int, max_tokens: int,
-                  offset: int) -> list[tuple[float, float, int]]:
+async def measure(url: str, model: str, requests: int, tokens: int, vocab: int,
+                  max_tokens: int, offset: int) -> list[tuple[float, float, int]]:
     async with aiohttp.ClientSession() as session:
-        await one(session, url, model, prompt(10_000 + offset, words), 4)  # warm-up
-        return [await one(session, url, model, prompt(offset + i, words), max_tokens)
+        await one(session, url, model, prompt(10_000 + offset, tokens, vocab), 4)  # warm-up
+        return [await one(session, url, model, prompt(offset + i, tokens, vocab), max_tokens)
                 for i in range(requests)]
 
 
@@ -89,7 +90,8 @@ def start_single(python: str, model: Path, served: str, extra_args: list[str],
         [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
          "--block-size", "32", "--max-model-len", "1024", "--dtype", "bfloat16", *extra_args],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **local_defaults()})  # the settings the local runner gives vLLM
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while True:
@@ -100,7 +102,8 @@ def start_single(python: str, model: Path, served: str, extra_args: list[str],
         except OSError:
             pass
         if process.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"single instance did not start; see {log}")
+            tail = log.read_text(errors="replace")[-3000:]
+            raise SystemExit(f"single instance did not start:\n{tail}")
         time.sleep(0.5)
 
 
@@ -108,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--kind", choices=["mla", "gqa"], default="mla")
     parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--prompt-words", type=int, default=400)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
@@ -120,15 +123,16 @@ def main() -> None:
         name, spec = load(ROOT / "examples" / f"tiny-{args.kind}-1p2d.yaml", None)
         spec = with_tiny_model(spec, folder, sys.executable)
         model, served = Path(spec.model.name), spec.model.served_model_name or name
+        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
         deployment = LocalDeployment(name, spec, folder, proxy_port=free_port(),
                                      echo=lambda _: None)
         try:
             url = asyncio.run(deployment.up(timeout=900))
             decodes = [f"http://127.0.0.1:{i.spec.port}" for i in deployment.started
-                       if i.spec.role == "decode"]
+                       if i.spec.role == "decode" and i.spec.port]  # not the registrars
             loaded_before = sum(asyncio.run(metric(u, "vllm:kvhelper_bytes_loaded_total"))
                                 for u in decodes)
-            disagg = asyncio.run(measure(url, served, args.requests, args.prompt_words,
+            disagg = asyncio.run(measure(url, served, args.requests, args.prompt_tokens, vocab,
                                          args.max_tokens, 0))
             # vLLM publishes connector stats on its logging interval, not per response.
             deadline = time.monotonic() + 30
@@ -143,14 +147,13 @@ def main() -> None:
                                           list(spec.decode.extra_args),
                                           Path(scratch) / "single.log")
         try:
-            alone = asyncio.run(measure(single_url, served, args.requests, args.prompt_words,
-                                        args.max_tokens, 0))
+            alone = asyncio.run(measure(single_url, served, args.requests, args.prompt_tokens,
+                                        vocab, args.max_tokens, 0))
         finally:
             os.killpg(single.pid, 15)
             single.wait(30)
-    prompt_tokens = args.prompt_words  # about one token per word with the tiny tokenizer
     print(f"tiny {args.kind.upper()} model, {args.requests} sequential streamed requests of "
-          f"~{prompt_tokens} prompt words and {args.max_tokens} tokens, vLLM CPU build")
+          f"{args.prompt_tokens} prompt tokens and {args.max_tokens} tokens, vLLM CPU build")
     print(summarize("1P2D through the proxy", disagg))
     print(summarize("one instance", alone))
     ratio = statistics.median(r[0] for r in disagg) / statistics.median(r[0] for r in alone)
