@@ -63,7 +63,7 @@ log = logging.getLogger("vllm.kvhelper.connector")
 # In kv_transfer_params, from prefill to decode:
 PARAMS_KEY = "kvhelper_tokens"  # how many prompt tokens decode can load (whole blocks)
 IDENTITY_KEY = "kvhelper_identity"  # compat.identity() of the prefill instance
-PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last stored block
+PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last block decode can load
 
 
 @dataclass
