@@ -24,6 +24,7 @@ from pathlib import Path
 
 import aiohttp
 from disagg_operator.local.cli import load, with_tiny_model
+from disagg_operator.local.metrics import scrape_total
 from disagg_operator.local.runner import LocalDeployment, RunFolder, local_defaults, stop_recorded
 from kvhelper.master_process import free_port
 
@@ -36,10 +37,10 @@ def prompt(i: int, tokens: int, vocab: int) -> list[int]:
     return [10 + (i * 7919 + j * 104729) % (vocab - 10) for j in range(tokens)]
 
 
-async def one(session: aiohttp.ClientSession, url: str, model: str, text: list[int],
+async def one(session: aiohttp.ClientSession, url: str, model: str, prompt_ids: list[int],
               max_tokens: int) -> tuple[float, float, int]:
     """(time to first token, seconds from first to last token, tokens) of a streamed request."""
-    body = {"model": model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
     started = time.perf_counter()
     first = last = 0.0
@@ -65,13 +66,6 @@ async def measure(url: str, model: str, requests: int, tokens: int, vocab: int,
         await one(session, url, model, prompt(10_000 + offset, tokens, vocab), 4)  # warm-up
         return [await one(session, url, model, prompt(offset + i, tokens, vocab), max_tokens)
                 for i in range(requests)]
-
-
-async def metric(url: str, name: str) -> float:
-    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
-        text = await response.text()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def summarize(label: str, rows: list[tuple[float, float, int]]) -> str:
@@ -130,17 +124,15 @@ def main() -> None:
             url = asyncio.run(deployment.up(timeout=900))
             decodes = [f"http://127.0.0.1:{i.spec.port}" for i in deployment.started
                        if i.spec.role == "decode" and i.spec.port]  # not the registrars
-            loaded_before = sum(asyncio.run(metric(u, "vllm:kvhelper_bytes_loaded_total"))
-                                for u in decodes)
+            loaded_before = scrape_total(decodes, "vllm:kvhelper_bytes_loaded_total")
             disagg = asyncio.run(measure(url, served, args.requests, args.prompt_tokens, vocab,
                                          args.max_tokens, 0))
             # vLLM publishes connector stats on its logging interval, not per response.
             deadline = time.monotonic() + 30
-            while (sum(asyncio.run(metric(u, "vllm:kvhelper_requests_loaded_total"))
-                       for u in decodes) < args.requests + 1 and time.monotonic() < deadline):
+            while (scrape_total(decodes, "vllm:kvhelper_requests_loaded_total")
+                   < args.requests + 1 and time.monotonic() < deadline):
                 time.sleep(0.5)
-            moved = sum(asyncio.run(metric(u, "vllm:kvhelper_bytes_loaded_total"))
-                        for u in decodes) - loaded_before
+            moved = scrape_total(decodes, "vllm:kvhelper_bytes_loaded_total") - loaded_before
         finally:
             stop_recorded(folder, lambda _: None)
         single, single_url = start_single(sys.executable, model, served,

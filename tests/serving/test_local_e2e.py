@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from disagg_operator.local.cli import load
+from disagg_operator.local.metrics import metric_total
 from disagg_operator.local.runner import LocalDeployment, RunFolder, stop_recorded
 from kvhelper.master_process import free_port
 
@@ -135,8 +135,7 @@ async def metric_sum(session: aiohttp.ClientSession, urls: list[str], name: str)
     for url in urls:
         async with session.get(f"{url}/metrics") as response:
             text = await response.text()
-        total += sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$",
-                                                  text, re.MULTILINE))
+        total += metric_total(text, name)
     return total
 
 

@@ -15,6 +15,7 @@ import click
 import yaml
 
 from disagg_operator.local.commands import LocalPlanError
+from disagg_operator.local.metrics import scrape_total
 from disagg_operator.local.runner import LocalDeployment, RunFolder, StartupError, stop_recorded
 from disagg_operator.spec import DisaggServingSpec, InvalidSpecError, parse_spec
 
@@ -146,16 +147,9 @@ def _kv_loaded(proxy_url: str, deadline: float) -> tuple[float, float]:
     with urllib.request.urlopen(f"{proxy_url}/instances", timeout=10) as response:
         decodes = [i["url"] for i in json.loads(response.read()) if i["role"] == "decode"]
     while True:
-        totals = [0.0, 0.0]
-        for url in decodes:
-            with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-                for line in response.read().decode().splitlines():
-                    for i, name in enumerate(("vllm:kvhelper_blocks_loaded_total",
-                                              "vllm:kvhelper_bytes_loaded_total")):
-                        if line.startswith((name + "{", name + " ")):
-                            totals[i] += float(line.rsplit(" ", 1)[1])
-        if totals[0] or time.monotonic() > deadline:
-            return totals[0], totals[1]
+        blocks = scrape_total(decodes, "vllm:kvhelper_blocks_loaded_total")
+        if blocks or time.monotonic() > deadline:
+            return blocks, scrape_total(decodes, "vllm:kvhelper_bytes_loaded_total")
         time.sleep(1)
 
 
