@@ -102,8 +102,9 @@ async def test_decode_dying_mid_stream_ends_the_stream_with_an_error(backends, s
     proxy = await start_proxy([prefill.url], [decode.url])
     status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x", "stream": True})
     assert status == 200  # the headers were sent before decode died
-    text = raw.decode()
-    assert "t1" in text and "[DONE]" not in text and '"code": 502' in text
+    events = [line.removeprefix("data: ") for line in raw.decode().split("\n\n") if line]
+    assert "t1" in events[1] and "[DONE]" not in events
+    assert json.loads(events[-1])["error"]["code"] == 502  # the stream's last event
     status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
     assert status == 502 and "decode instance" in json.loads(raw)["error"]["message"]
 
@@ -168,6 +169,9 @@ async def test_health_and_metrics_endpoints(backends, start_proxy):
     proxy = await start_proxy([prefill.url], [decode.url])
     await post(f"{proxy}/v1/completions", {"prompt": "x"})
     async with aiohttp.ClientSession() as session:
+        for made_up in ("/a", "/b/c"):  # unknown paths share one series, not one each
+            async with session.get(f"{proxy}{made_up}") as response:
+                assert response.status == 404
         async with session.get(f"{proxy}/health") as response:
             assert response.status == 200
             assert (await response.json())["healthy"] == {"prefill": 1, "decode": 1}
@@ -176,6 +180,7 @@ async def test_health_and_metrics_endpoints(backends, start_proxy):
         async with session.get(f"{proxy}/v1/models") as response:
             assert (await response.json())["data"][0]["id"] == "tiny"
     assert 'disagg_proxy_requests_total{code="200",endpoint="/v1/completions"} 1.0' in text
+    assert 'disagg_proxy_requests_total{code="404",endpoint="unmatched"} 2.0' in text
     assert "disagg_proxy_phase_seconds_count" in text
 
 

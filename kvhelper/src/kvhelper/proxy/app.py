@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -34,6 +34,10 @@ REQUEST_ID_KEY = web.RequestKey("request_id", str)
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# msgspec rather than the json module: the proxy parses and writes JSON three times a request.
+_decode_json = msgspec.json.Decoder().decode
+_encode_json = msgspec.json.Encoder().encode
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,16 @@ class Metrics:
         self.upstream_errors = Counter("disagg_proxy_upstream_errors_total",
                                        "Failed calls to instances.", ["phase", "reason"],
                                        registry=self.registry)
+        self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def finished(self, endpoint: str, code: int, seconds: float) -> None:
+        """Count a client request; the labelled children are looked up once per label set."""
+        children = self._finished.get((endpoint, code))
+        if children is None:
+            children = (self.requests.labels(endpoint, str(code)), self.latency.labels(endpoint))
+            self._finished[(endpoint, code)] = children
+        children[0].inc()
+        children[1].observe(seconds)
 
 
 class Proxy:
@@ -157,10 +171,12 @@ class Proxy:
 
     @web.middleware
     async def _errors_as_json(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        request_id = request.headers.get(REQUEST_ID) or f"disagg-{uuid.uuid4().hex}"
+        request_id = request.headers.get(REQUEST_ID) or f"disagg-{secrets.token_hex(16)}"
         request[REQUEST_ID_KEY] = request_id
         started = time.perf_counter()
-        endpoint = request.path
+        # The route, not the path: a client's made-up paths must not each become a series.
+        resource = request.match_info.route.resource
+        endpoint = resource.canonical if resource is not None else "unmatched"
         code = 500
         try:
             response = await handler(request)
@@ -174,8 +190,7 @@ class Proxy:
             return error_response(err.status, err.reason, "invalid_request_error"
                                   if err.status < 500 else "server_error", request_id)
         finally:
-            self.metrics.requests.labels(endpoint, str(code)).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            self.metrics.finished(endpoint, code, time.perf_counter() - started)
 
     # -- endpoints -------------------------------------------------------------------------
 
@@ -207,8 +222,9 @@ class Proxy:
             tried.append(backend)
             backend.outstanding += 1
             try:
-                async with self.session.post(f"{backend.url}{path}", json=prefill_request(body),
-                                             headers={REQUEST_ID: request_id},
+                async with self.session.post(f"{backend.url}{path}",
+                                             data=_encode_json(prefill_request(body)),
+                                             headers={**JSON_HEADERS, REQUEST_ID: request_id},
                                              timeout=self._prefill_timeout) as response:
                     raw = await response.read()
                     if response.status != 200:
@@ -243,8 +259,8 @@ class Proxy:
         backend.outstanding += 1
         streaming: web.StreamResponse | None = None
         try:
-            async with self.session.post(f"{backend.url}{request.path}", json=body,
-                                         headers={REQUEST_ID: request_id},
+            async with self.session.post(f"{backend.url}{request.path}", data=_encode_json(body),
+                                         headers={**JSON_HEADERS, REQUEST_ID: request_id},
                                          timeout=self._decode_timeout) as upstream:
                 if upstream.status != 200:
                     self.metrics.upstream_errors.labels("decode", str(upstream.status)).inc()
@@ -280,7 +296,7 @@ class Proxy:
                 # Headers are gone: end the stream with an error event the client can see.
                 event = {"error": {"message": message, "type": "bad_gateway", "code": 502}}
                 with contextlib.suppress(ConnectionError):
-                    await streaming.write(f"data: {json.dumps(event)}\n\n".encode())
+                    await streaming.write(b"data: " + _encode_json(event) + b"\n\n")
                     await streaming.write_eof()
                 return streaming
             raise ProxyError(504 if reason == "timeout" else 502, message,
@@ -322,8 +338,8 @@ class Proxy:
 async def _json_object(request: web.Request) -> dict[str, Any]:
     raw = await request.read()  # beyond client_max_size aiohttp raises 413
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as err:
+        body = _decode_json(raw)
+    except msgspec.DecodeError as err:
         raise ProxyError(400, f"the request body is not valid JSON: {err}",
                          "invalid_request_error") from None
     if not isinstance(body, dict):
@@ -335,8 +351,8 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
 
 def _parse(raw: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(raw)
-    except ValueError:
+        data = _decode_json(raw)
+    except msgspec.DecodeError:
         raise ProxyError(502, "prefill answered with a body that is not JSON",
                          "bad_gateway") from None
     if not isinstance(data, dict):
@@ -348,7 +364,7 @@ def _parse(raw: bytes) -> dict[str, Any]:
 def _upstream_error(status: int, raw: bytes, phase: str) -> ProxyError:
     """The instance's own error, passed on with its status (a 200 never carries an error)."""
     try:
-        data = json.loads(raw)
+        data = _decode_json(raw)
         message = (data.get("error", {}).get("message") if isinstance(data.get("error"), dict)
                    else data.get("message") or data.get("detail")) or raw.decode()[:500]
     except (ValueError, AttributeError, UnicodeDecodeError):
