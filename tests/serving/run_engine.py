@@ -7,6 +7,7 @@ REQUEST: {"model", "block_size", "prompts" (texts, or lists of token ids), "max_
           "warm_prefix_cache" (optional: run the prompts once first, with prefix caching, so
           the reported run reuses their cached full blocks; that first, cold run is reported
           as "cold_token_ids"),
+          "tensor_parallel_size" (optional, default 1: with more, worker processes),
           "one_at_a_time" (optional: each prompt alone, not batched with the others),
           "reference" (optional: afterwards, run the prompts again on this same engine without
           kv_transfer_params: what recomputing them gives here)}
@@ -20,6 +21,7 @@ engine-core and worker processes, and start-up takes a third of the time on a sm
 """
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -41,16 +43,32 @@ def keep_prefix_caching_on() -> None:
     platform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore
 
 
+def bind_workers(tp: int) -> None:
+    """Give each TP worker its own share of this process's cores: vLLM's automatic binding
+    wants a NUMA node per worker, and a small machine has one."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < tp:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        return
+    share = len(cores) // tp
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(
+        ",".join(map(str, cores[rank * share:(rank + 1) * share])) for rank in range(tp)))
+
+
 def main() -> None:
+    request = json.loads(open(sys.argv[1]).read())
+    tp = request.get("tensor_parallel_size", 1)
+    if tp > 1:
+        bind_workers(tp)
     from vllm import LLM, SamplingParams
 
-    request = json.loads(open(sys.argv[1]).read())
     if request.get("warm_prefix_cache"):
         keep_prefix_caching_on()
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p}
                for p in request["prompts"]]
     sizing = {"block_size": request["block_size"]} if request.get("block_size") else {}
-    llm = LLM(model=request["model"], enforce_eager=True, distributed_executor_backend="uni",
+    llm = LLM(model=request["model"], enforce_eager=True, tensor_parallel_size=tp,
+              distributed_executor_backend="uni" if tp == 1 else "mp",
               max_model_len=request.get("max_model_len", 512), **sizing,
               kv_transfer_config=request.get("kv_transfer_config"), seed=0,
               enable_prefix_caching=bool(request.get("warm_prefix_cache")

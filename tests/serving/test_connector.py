@@ -166,26 +166,70 @@ def decode(tmp: Path, request: dict[str, Any], master: str, params: list[dict[st
                                       "kv_transfer_params": params, "reference": reference})
 
 
-@pytest.fixture(scope="module")
-def prefilled(tiny_models, mooncake, tmp_path_factory) -> Callable[[str], list[dict[str, Any]]]:
-    """The prompts' KV stored by one prefill engine per model kind; its kv_transfer_params."""
-    results: dict[str, list[dict[str, Any]]] = {}
+class Prefilled:
+    """The prompts' KV stored by one prefill engine per model kind (run on first use): its
+    kv_transfer_params, and the layout fingerprint that namespaces its pages."""
 
-    def of(kind: str) -> list[dict[str, Any]]:
-        if kind not in results:
-            params, log = prefill(tmp_path_factory.mktemp(f"prefill-{kind}"),
-                                  common(kind, tiny_models), mooncake)
+    def __init__(self, tiny_models: dict[str, Path], master: str,
+                 tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tiny_models, self.master, self.tmp_path_factory = tiny_models, master, tmp_path_factory
+        self._runs: dict[str, tuple[list[dict[str, Any]], str]] = {}
+
+    def _run(self, kind: str) -> tuple[list[dict[str, Any]], str]:
+        if kind not in self._runs:
+            params, log = prefill(self.tmp_path_factory.mktemp(f"prefill-{kind}"),
+                                  common(kind, self.tiny_models), self.master)
             assert re.search(r"stored [1-9]\d* KV blocks", log), log[-3000:]
             assert all(p["kvhelper_identity"]["mla"] == (kind == "mla") for p in params)
-            results[kind] = params
-        return results[kind]
+            self._runs[kind] = params, fingerprint_in(log)
+        return self._runs[kind]
 
-    return of
+    def __call__(self, kind: str) -> list[dict[str, Any]]:
+        return self._run(kind)[0]
+
+    def fingerprint(self, kind: str) -> str:
+        return self._run(kind)[1]
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny_models, mooncake, tmp_path_factory) -> Prefilled:
+    return Prefilled(tiny_models, mooncake, tmp_path_factory)
+
+
+def fingerprint_in(log: str) -> str:
+    """The layout fingerprint a connector logged when it started."""
+    found = re.search(r"fingerprint ([0-9a-f]{16})", log)
+    assert found, log[-3000:]
+    return found[1]
 
 
 def loaded_blocks(log: str, mode: str = "async") -> list[int]:
     """Blocks loaded per request, from the connector's log lines (async, or in the step)."""
     return [int(m) for m in re.findall(rf"loaded (\d+) KV blocks .* \({mode}\)", log)]
+
+
+def stored_blocks(log: str) -> list[int]:
+    """Blocks stored per request and rank, from the connector's log lines."""
+    return [int(m) for m in re.findall(r"stored (\d+) KV blocks", log)]
+
+
+def read_value(client: MooncakeKVStore, key: str) -> torch.Tensor:
+    value = torch.empty(client.size(key), dtype=torch.uint8)
+    client.register(value)
+    assert not client.get([key], [value.data_ptr()], [value.numel()]), key
+    client.unregister(value)
+    return value
+
+
+@contextmanager
+def store_client(master: str) -> Iterator[MooncakeKVStore]:
+    client = MooncakeKVStore(MooncakeConfig(master_server_address=master,
+                                            global_segment_size=0, local_buffer_size=64 << 20,
+                                            local_hostname="127.0.0.1"))
+    try:
+        yield client
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
@@ -206,29 +250,17 @@ def test_corrupted_pages_change_the_output(tiny_models, mooncake, baseline, tmp_
     model = shutil.copytree(tiny_models["mla"], tmp_path / "mla-copy")
     request = common("mla", tiny_models, model)
     params, prefill_log = prefill(tmp_path, request, mooncake)
-    fingerprint = re.search(r"fingerprint ([0-9a-f]{16})", prefill_log)
-    assert fingerprint
-    keys = [block_key(fingerprint[1], p["kvhelper_prefix_hash"]) for p in params]
+    keys = [block_key(fingerprint_in(prefill_log), p["kvhelper_prefix_hash"]) for p in params]
     monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    client = MooncakeKVStore(MooncakeConfig(master_server_address=mooncake,
-                                            global_segment_size=0, local_buffer_size=64 << 20,
-                                            local_hostname="127.0.0.1"))
-    try:
+    with store_client(mooncake) as client:
         for key in keys:  # the last block decode loads per prompt: flip every bf16 sign bit
-            page = torch.empty(client.size(key), dtype=torch.uint8)
-            client.register(page)
-            assert not client.get([key], [page.data_ptr()], [page.numel()])
+            page = read_value(client, key)
             page.view(torch.int16).bitwise_xor_(-0x8000)
             client.remove(key, force=True)  # our own read just took a lease on it
+            client.register(page)
             assert client.put([key], [page.data_ptr()], [page.numel()]).stored == [key]
-            check = torch.empty_like(page)
-            client.register(check)
-            assert not client.get([key], [check.data_ptr()], [check.numel()])
-            assert torch.equal(check, page)
-            client.unregister(check)
             client.unregister(page)
-    finally:
-        client.close()
+            assert torch.equal(read_value(client, key), page)
     # Loaded inside the step this time (load_async false, the default), the other way.
     result, decode_log = decode(tmp_path, request, mooncake, params, load_async=False)
     loaded = loaded_blocks(decode_log, "in the step")
@@ -274,3 +306,60 @@ def test_master_restart_between_prefill_and_decode_recomputes(tiny_models, tmp_p
         result, decode_log = decode(tmp_path, request, service.address, params, reference=True)
     assert "could not be loaded" in decode_log
     assert result["token_ids"] == result["reference_token_ids"]
+
+
+
+def test_gqa_tensor_parallel_ranks_store_and_load_their_own_heads(
+        tiny_models, mooncake, tmp_path, monkeypatch) -> None:
+    """TP 2: each rank stores the page of its own KV head under its own key, and each decode
+    rank loads its own; the output is what the same TP-2 engine computes without transfer."""
+    model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-tp2")  # pages of its own
+    request = {**common("gqa", tiny_models, model), "tensor_parallel_size": 2}
+    params, prefill_log = prefill(tmp_path, request, mooncake)
+    stored = sorted(stored_blocks(prefill_log))  # a line per request and rank
+    assert len(stored) == 2 * len(PROMPTS) and stored[::2] == stored[1::2], prefill_log[-3000:]
+    fingerprint = fingerprint_in(prefill_log)
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with store_client(mooncake) as client:
+        rank0, rank1 = (read_value(client, block_key(fingerprint,
+                                                     params[0]["kvhelper_prefix_hash"], shard))
+                        for shard in ((2, 0), (2, 1)))
+    assert rank0.numel() == rank1.numel() and not torch.equal(rank0, rank1)  # other heads
+    result, decode_log = decode(tmp_path, request, mooncake, params, reference=True)
+    loaded = loaded_blocks(decode_log)
+    assert len(loaded) == 2 * len(PROMPTS) and all(loaded), decode_log[-3000:]
+    assert result["token_ids"] == result["reference_token_ids"]
+
+
+def test_mla_tensor_parallel_stores_one_page_that_every_rank_loads(
+        tiny_models, mooncake, prefilled, tmp_path, monkeypatch) -> None:
+    """MLA pages are the same on every rank: a TP-2 prefill stores each once (rank 0), both
+    decode ranks load that one page, and it holds what a TP-1 prefill computes."""
+    model = shutil.copytree(tiny_models["mla"], tmp_path / "mla-tp2")  # pages of its own
+    request = {**common("mla", tiny_models, model), "tensor_parallel_size": 2}
+    params, prefill_log = prefill(tmp_path, request, mooncake)
+    assert len(stored_blocks(prefill_log)) == len(PROMPTS), prefill_log[-3000:]
+    ours, theirs = fingerprint_in(prefill_log), prefilled.fingerprint("mla")  # TP 1's pages
+    assert ours != theirs
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    tp1_params = prefilled("mla")
+    with store_client(mooncake) as client:
+        for tp2_params, tp1 in zip(params, tp1_params, strict=True):
+            assert tp2_params["kvhelper_prefix_hash"] == tp1["kvhelper_prefix_hash"]
+            tp2_page, tp1_page = (read_value(client, block_key(fp, tp1["kvhelper_prefix_hash"]))
+                                  for fp in (ours, theirs))
+            # Per layer, one block of 576-wide bf16 latents. Layer 0 is computed from the
+            # embeddings alone (replicated on every rank): bit-identical. Layer 1 sees
+            # activations summed across ranks in another order: equal up to bf16 rounding
+            # (another block's latents would be off by about 100%).
+            tp2_layers, tp1_layers = (page.view(torch.bfloat16).view(2, -1, 576).float()
+                                      for page in (tp2_page, tp1_page))
+            assert torch.equal(tp2_layers[0], tp1_layers[0])
+            error = (tp2_layers[1] - tp1_layers[1]).norm() / tp1_layers[1].norm()
+            assert error < 0.02, f"layer 1 differs by {error:.1%}"
+    result, decode_log = decode(tmp_path, request, mooncake, params)
+    loaded = loaded_blocks(decode_log)
+    assert len(loaded) == 2 * len(PROMPTS) and all(loaded), decode_log[-3000:]
+    baseline, _ = run_engine(tmp_path, "baseline", {**request, "max_tokens": 8,
+                                                    "warm_prefix_cache": True})
+    assert result["token_ids"] == baseline["token_ids"]

@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import pytest
+from kvhelper.compat import IncompatibleConfig, identity
 from kvhelper.layout import ModelKVSpec
 from vllm.engine.arg_utils import EngineArgs
 
@@ -19,3 +21,20 @@ def test_spec_from_vllm_config(tiny_models: dict[str, Path]) -> None:
     gqa = spec_for(tiny_models["gqa"])
     assert (gqa.use_mla, gqa.head_dim, gqa.total_kv_heads, gqa.kv_heads_per_rank) == (
         False, 64, 2, 2)
+
+
+def test_settings_that_can_never_share_pages_are_refused_at_start(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    config = EngineArgs(model=str(tiny_models["gqa"]), enforce_eager=True, max_model_len=512,
+                        block_size=16).create_engine_config()
+    assert identity(config)["tp_size"] == 1
+    config.parallel_config.pipeline_parallel_size = 2
+    with pytest.raises(IncompatibleConfig, match="pipeline_parallel_size=2"):
+        identity(config)
+    config.parallel_config.pipeline_parallel_size = 1
+    config.cache_config.prefix_caching_hash_algo = "xxhash"
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(IncompatibleConfig, match="set PYTHONHASHSEED"):
+        identity(config)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert identity(config)["hash"] == "xxhash"

@@ -32,6 +32,12 @@ def identity(vllm_config: Any) -> dict[str, Any]:
             f"prefix_caching_hash_algo={algo} seeds block hashes randomly in every process, so "
             "no two instances would ever share a page: set PYTHONHASHSEED to the same value on "
             "every prefill and decode instance, or use sha256 (the default)")
+    stages = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if stages > 1:
+        raise IncompatibleConfig(
+            f"pipeline_parallel_size={stages}: the kvhelper connector keys a page by block and "
+            "TP rank, and each pipeline stage holds other layers, so stages would overwrite "
+            "each other's pages; use tensor parallelism (pipeline stages are not supported yet)")
     found: dict[str, Any] = {
         "model": spec.model, "mla": spec.use_mla, "cache_dtype": spec.cache_dtype,
         "block_size": spec.block_size, "head_dim": spec.head_dim,

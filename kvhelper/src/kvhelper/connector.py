@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -222,7 +223,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     # -- worker side ------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        spec = ModelKVSpec.from_vllm_config(self._vllm_config)
+        # The worker's own rank: GQA pages are keyed by it, and only rank 0 stores MLA pages.
+        spec = ModelKVSpec.from_vllm_config(self._vllm_config,
+                                            tp_rank=get_tensor_model_parallel_rank())
         layout = describe_kv_caches(kv_caches, spec)
         self._mover = PageMover(layout, kv_caches)
         self._fingerprint = layout.fingerprint()
