@@ -68,11 +68,19 @@ def test_hf_token_comes_from_secret_and_never_appears_in_args() -> None:
     ({"model": {"name": "m"}, "decode": {"replicas": -1}}, "decode.replicas"),
     ({"model": {"name": "m"}, "prefil": {}}, "prefil"),
     ({}, "model"),
+    ({"model": {"name": "m"}, "decode": {"extraArgs": ["--block-size=32"]}}, "decode.extraArgs"),
+    ({"model": {"name": "m"}, "prefill": {"extraArgs": ["-pp", "2"]}}, "prefill.extraArgs"),
 ])
 def test_invalid_specs_name_the_field(spec: dict, field: str) -> None:
     with pytest.raises(InvalidSpecError) as err:
         parse_spec(spec)
     assert err.value.field == field
+
+
+def test_pipeline_parallelism_is_refused_with_the_reason() -> None:
+    with pytest.raises(InvalidSpecError, match="pipeline stages hold different layers"):
+        parse_spec({"model": {"name": "m"},
+                    "decode": {"extraArgs": ["--pipeline_parallel_size=2"]}})
 
 
 def test_mooncake_config_sizes_are_bytes() -> None:

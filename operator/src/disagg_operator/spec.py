@@ -178,6 +178,11 @@ MANAGED_VLLM_FLAGS = {
     "--kv-transfer-config": "spec.kvTransfer", "--host": "the pod (fixed)",
     "--port": "the pod (fixed)",
 }
+# vLLM flags the serving pods cannot honour, and why.
+UNSUPPORTED_VLLM_FLAGS = dict.fromkeys(
+    ("--pipeline-parallel-size", "-pp"),
+    "the kvhelper connector keys KV pages by block and TP rank, and pipeline stages hold "
+    "different layers, so they would overwrite each other's pages; use tensorParallelSize")
 
 
 class RoleSpec(_Model):
@@ -206,6 +211,8 @@ class RoleSpec(_Model):
                 raise ValueError(
                     f"{flag} is set by the operator from {MANAGED_VLLM_FLAGS[flag]}; "
                     "set it there instead of in extraArgs")
+            if flag in UNSUPPORTED_VLLM_FLAGS:
+                raise ValueError(f"{flag} is not supported: {UNSUPPORTED_VLLM_FLAGS[flag]}")
         return args
 
 
