@@ -60,7 +60,7 @@ class EtcdProcess:
              "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
              "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
              "--initial-cluster", f"default={peer_url}", "--log-level", "warn"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=log, stderr=subprocess.STDOUT, process_group=0)
         log.close()
         deadline = time.monotonic() + timeout
         while (problem := await probe_endpoint(self.endpoint, 1.0)) is not None:

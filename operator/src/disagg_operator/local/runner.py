@@ -149,10 +149,14 @@ class LocalDeployment:
     def _start(self, spec: LocalProcess, env: Mapping[str, str],
                state: dict[str, object]) -> None:
         log = self.folder.log(spec.name)
+        # A process group of its own, so that stopping reaches its children, but not a session:
+        # under the kernel's autogroup scheduling each session is one scheduling group, and a
+        # vLLM instance busy-waiting for KV then starved the other instances for tens of seconds
+        # (the prefill could not serve its pages; Mooncake clients missed their heartbeats).
         with log.open("ab") as out:
             process = subprocess.Popen(list(spec.argv), env={**env, **spec.env}, stdout=out,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                       start_new_session=True)
+                                       process_group=0)
         self.started.append(Started(spec, process, log))
         _record(self.folder, state, spec.name, process.pid)
         self.echo(f"  started {spec.name} (pid {process.pid}"
