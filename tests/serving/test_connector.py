@@ -261,7 +261,7 @@ def test_corrupted_pages_change_the_output(tiny_models, mooncake, baseline, tmp_
             assert client.put([key], [page.data_ptr()], [page.numel()]).stored == [key]
             client.unregister(page)
             assert torch.equal(read_value(client, key), page)
-    # Loaded inside the step this time (load_async false, the default), the other way.
+    # Loaded inside the step this time (load_async false), the other way.
     result, decode_log = decode(tmp_path, request, mooncake, params, load_async=False)
     loaded = loaded_blocks(decode_log, "in the step")
     assert len(loaded) == len(PROMPTS) and all(loaded), "the corrupted pages were not loaded"

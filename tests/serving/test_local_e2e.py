@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -75,16 +76,17 @@ def served(request, tiny_models, tmp_path_factory) -> Iterator[Served]:
 
 async def complete(session: aiohttp.ClientSession, served: Served, i: int, chat: bool,
                    stream: bool, max_tokens: int = MAX_TOKENS,
-                   ignore_eos: bool = False) -> dict[str, Any]:
-    """One request through the proxy; returns status, prompt ids and generated ids."""
+                   ignore_eos: bool = False, text: str | None = None) -> dict[str, Any]:
+    """One request through the proxy (prompt `text`, else `prompt(i)`); returns status, prompt
+    ids and generated ids."""
     body: dict[str, Any] = {"model": served.name, "max_tokens": max_tokens, "temperature": 0,
                             "stream": stream, "return_token_ids": True,
                             "ignore_eos": ignore_eos}
     if chat:
-        body["messages"] = [{"role": "user", "content": prompt(i)}]
+        body["messages"] = [{"role": "user", "content": text or prompt(i)}]
         path = "/v1/chat/completions"
     else:
-        body["prompt"] = prompt(i)
+        body["prompt"] = text or prompt(i)
         path = "/v1/completions"
     async with session.post(served.url + path, json=body, timeout=REQUEST_TIMEOUT) as response:
         if response.status != 200:
@@ -172,6 +174,39 @@ def test_outputs_equal_a_single_instance_with_kv_from_the_store(served, tmp_path
 async def _reaches(session: aiohttp.ClientSession, urls: list[str], name: str,
                    target: float) -> bool:
     return await metric_sum(session, urls, name) >= target
+
+
+def test_instances_share_the_runners_session_but_not_its_process_group(served) -> None:
+    # A session per instance is a scheduling group per instance under kernel autogroup, and
+    # then a decode busy-waiting for KV starved the prefill serving those pages (see _start).
+    for item in served.deployment.started:
+        assert os.getsid(item.process.pid) == os.getsid(0), item.spec.name
+        assert os.getpgid(item.process.pid) == item.process.pid, item.spec.name
+
+
+def test_a_burst_loads_every_request_from_the_store(served) -> None:
+    """Eight requests at once, on both decode instances, with loads asynchronous (the
+    default): every one completes and loads its KV. Under the scheduling-group starvation the
+    first burst waited for Mooncake's 30 s transfer timeouts and its loads failed."""
+    async def run() -> list[dict[str, Any]]:
+        async with aiohttp.ClientSession() as session:
+            decodes = served.decode_urls()
+            loaded = "vllm:kvhelper_requests_loaded_total"
+            failed = "vllm:kvhelper_requests_load_failed_total"
+            before, failed_before = (await metric_sum(session, decodes, loaded),
+                                     await metric_sum(session, decodes, failed))
+            # Prompts that differ from their first token: no block is in any cache yet.
+            results = await asyncio.wait_for(asyncio.gather(
+                *(complete(session, served, i, False, False, ignore_eos=True,
+                           text=f"burst {i}: {prompt(i)}")
+                  for i in range(8))), 180)
+            await wait_until(lambda: _reaches(session, decodes, loaded, before + len(results)),
+                             30, "every request of the burst counted as loaded")
+            assert await metric_sum(session, decodes, failed) == failed_before
+            return results
+
+    results = asyncio.run(run())
+    assert all(r["status"] == 200 and len(r["ids"]) == MAX_TOKENS for r in results), results
 
 
 def test_store_restart_recovers_without_wrong_output(served, tmp_path) -> None:

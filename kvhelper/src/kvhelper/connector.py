@@ -7,11 +7,10 @@ block-major and stored (existing keys are skipped); `request_finished` tells the
 `kv_transfer_params`, how many tokens decode can load. Consumer (decode): for a request carrying
 those parameters, the full blocks are loaded into the blocks vLLM allocated before the forward
 pass; a page that cannot be read is reported per block so vLLM recomputes or fails, as its
-`kv_load_failure_policy` says. Loads run inside the scheduler step by default. With
-`kv_connector_extra_config: {"load_async": true}` (experimental) the request waits in vLLM's
+`kv_load_failure_policy` says. Loads are asynchronous: the request waits in vLLM's
 WAITING_FOR_REMOTE_KVS state while one loader thread reads its pages, and other requests keep
-running; it passes the 1P1D tests, but in the local 1P2D deployment some reads from another
-instance's segment stalled until Mooncake's 30 s transfer timeout, so it is not the default.
+running. `kv_connector_extra_config: {"load_async": false}` reads them inside the scheduler
+step instead.
 
 When the cache is in host memory (vLLM's CPU build), values go straight between the cache and
 the store, one piece per layer and region of a block (Mooncake's multi-buffer batch calls):
@@ -100,7 +99,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self.is_consumer = bool(transfer.is_kv_consumer)
         self.extra = dict(transfer.kv_connector_extra_config or {})
         self.identity = compat.identity(vllm_config)  # refuses unshareable settings at start
-        self.load_async = self.extra.get("load_async", False)
+        self.load_async = self.extra.get("load_async", True)
         if not isinstance(self.load_async, bool):
             raise ValueError("kv_connector_extra_config.load_async must be true or false, not "
                              f"{self.load_async!r}")
