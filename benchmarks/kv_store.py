@@ -64,7 +64,9 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
     store.register_range(*mover.storage_span())  # the connector's direct path on CPU
     pointers = [staging.data_ptr() + i * per_block for i in range(blocks)]
     sizes = [per_block] * blocks
-    best = dict.fromkeys(["raw_put", "raw_get", "put", "get", "reput", "dput", "dget"], 1e9)
+    best = dict.fromkeys(["raw_put", "raw_get", "put", "get", "reput", "dput", "dget",
+                          "mput", "mget"], 1e9)
+    pieces = per_block // mover.row_bytes  # the direct path's pieces per key, same sizes
     for round_ in range(rounds):  # fresh keys each round; the best time of each step counts
         keys = [block_key(layout.fingerprint(), f"{name}-{round_}-{i:060x}")
                 for i in range(blocks)]
@@ -90,6 +92,20 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
             mover.scatter(other, staging, order="block")
 
         direct_keys = [f"{key}/direct" for key in keys]
+        multi_keys = [f"{key}/multi" for key in raw_keys]
+
+        def piece_spans(base: int) -> list[list[int]]:
+            return [[base + i * per_block + j * mover.row_bytes for j in range(pieces)]
+                    for i in range(blocks)]
+
+        def raw_multi_put(keys: list[str] = multi_keys) -> None:
+            result = store.put_parts(keys, piece_spans(raw_src.data_ptr()), mover.row_bytes,
+                                     skip_existing=False)
+            assert not result.failed, result.failed
+
+        def raw_multi_get(keys: list[str] = multi_keys) -> None:
+            failed = store.get_parts(keys, piece_spans(raw_dst.data_ptr()), mover.row_bytes)
+            assert not failed, failed
 
         def direct_store(keys: list[str] = direct_keys) -> None:
             result = store.put_parts(keys, mover.block_spans(ids), mover.row_bytes)
@@ -101,9 +117,10 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
 
         for step, fn in (("raw_put", raw_put), ("put", store_request), ("raw_get", raw_get),
                          ("get", load_request), ("reput", store_request),
-                         ("dput", direct_store), ("dget", direct_load)):
+                         ("dput", direct_store), ("dget", direct_load),
+                         ("mput", raw_multi_put), ("mget", raw_multi_get)):
             best[step] = min(best[step], timed(fn))
-        for key in keys + raw_keys + direct_keys:  # keep the store from filling up
+        for key in keys + raw_keys + direct_keys + multi_keys:  # keep the store from filling up
             store.remove(key, force=True)
     raw_put_s, raw_get_s = best["raw_put"], best["raw_get"]
     put_s, get_s, reput_s = best["put"], best["get"], best["reput"]
@@ -121,6 +138,9 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
           f"{raw_put_s / best['dput']:.2f}x raw (cache -> store, no staging; CPU caches)")
     print(f"  direct load:          {gib / best['dget']:6.2f} GiB/s = "
           f"{raw_get_s / best['dget']:.2f}x raw (store -> cache, no staging; CPU caches)")
+    print(f"  raw multi-buffer:     put {raw_put_s / best['mput']:.2f}x, get "
+          f"{raw_get_s / best['mget']:.2f}x raw ({pieces} pieces of {mover.row_bytes} B per key "
+          "from one buffer: Mooncake's own cost of the direct path's piece count)")
     print(f"  storing it again:     {reput_s * 1000:.1f} ms (all {blocks} pages already stored)")
     for buffer in (staging, raw_src, raw_dst):
         store.unregister(buffer)
