@@ -84,6 +84,7 @@ def start_single(python: str, model: Path, served: str, extra_args: list[str],
         [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
          "--block-size", "32", "--max-model-len", "1024", "--dtype", "bfloat16", *extra_args],
+        # Its own process group, not its own session, as the local runner starts instances.
         stdout=log.open("wb"), stderr=subprocess.STDOUT, process_group=0,
         env={**os.environ, **local_defaults()})  # the settings the local runner gives vLLM
     url = f"http://127.0.0.1:{port}"

@@ -60,6 +60,7 @@ class EtcdProcess:
              "--listen-client-urls", client_url, "--advertise-client-urls", client_url,
              "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
              "--initial-cluster", f"default={peer_url}", "--log-level", "warn"],
+            # Its own process group, not its own session: see LocalDeployment._start.
             stdout=log, stderr=subprocess.STDOUT, process_group=0)
         log.close()
         deadline = time.monotonic() + timeout
