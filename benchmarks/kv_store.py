@@ -4,8 +4,9 @@ kvhelper path: gather the request's pages block-major from a cache laid out as v
 then `put` one key per block (skipping existing keys); load: `get` the keys into a registered
 buffer, then scatter into other blocks. Raw baseline: `batch_put_from`/`batch_get_into` of the
 same bytes from/into a registered buffer, the same number of keys (target: kvhelper >= 0.8x).
-Also prints bytes per token for MLA (DeepSeek-V2-Lite shapes) and GQA (Llama-3.1-8B shapes),
-and for the project's tiny MLA and GQA test models.
+Cases: MLA (DeepSeek-V2-Lite shapes) with vLLM's CPU block size (16) and with FlashMLA's (64),
+and GQA (Llama-3.1-8B shapes). Also prints bytes per token for each, and for the project's tiny
+MLA and GQA test models.
 
 Starts its own mooncake_master on loopback; Mooncake binds every interface, so as root it
 re-runs itself inside a private network namespace (`unshare -n`).
@@ -29,7 +30,8 @@ from kvhelper.master_process import MooncakeMaster
 from kvhelper.pages import PageMover
 from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
-BLOCK = 16
+BLOCK = 16  # tokens per block: vLLM's CPU MLA backend requires 16
+FLASHMLA_BLOCK = 64  # FlashMLA's (GPU) block size: 4x fewer, 4x larger pages per key
 
 
 def private_network() -> bool:
@@ -52,7 +54,7 @@ def run_case(store: MooncakeKVStore, name: str, spec: ModelKVSpec, shape: tuple[
     caches = {f"l{i}": storage[i * numel:(i + 1) * numel].view(shape) for i in range(layers)}
     layout = describe_kv_caches(caches, spec)
     mover = PageMover(layout, caches)
-    blocks = tokens // BLOCK
+    blocks = tokens // spec.block_size
     ids = torch.randperm(layout.num_blocks)[:blocks]
     other = torch.randperm(layout.num_blocks)[:blocks]
     per_block = layout.page_bytes * layers
@@ -157,6 +159,10 @@ def main(tokens: int, rounds: int) -> None:
         blocks = 2 * tokens // BLOCK
         mla = ModelKVSpec("deepseek-ai/DeepSeek-V2-Lite", True, BLOCK, "bfloat16", 1, 576)
         run_case(store, "MLA", mla, (blocks, BLOCK, 576), 27, tokens, rounds)
+        mla64 = ModelKVSpec("deepseek-ai/DeepSeek-V2-Lite", True, FLASHMLA_BLOCK, "bfloat16", 1,
+                            576)
+        run_case(store, "MLA-64", mla64, (2 * tokens // FLASHMLA_BLOCK, FLASHMLA_BLOCK, 576), 27,
+                 tokens, rounds)
         gqa = ModelKVSpec("meta-llama/Llama-3.1-8B", False, BLOCK, "bfloat16", 8, 128)
         run_case(store, "GQA", gqa, (blocks, 8, BLOCK, 256), 32, tokens, rounds)
         store.close()
