@@ -4,7 +4,10 @@ Instant backends (a minimal vLLM-like server in its own process) answer prefill 
 Measured in one run: p50/p99 latency calling the decode backend directly vs through the proxy
 (which also makes the prefill call), one request at a time over N requests each, in two
 placements: the proxy on a core of its own, and all processes on one core (on a VM, waking an
-idle core costs far more than the proxy's own work; the second placement shows that work). Then
+idle core costs far more than the proxy's own work; the second placement shows that work). As
+root, the first placement is measured again with idle cores polling instead of halting
+(`/dev/cpu_dma_latency` held at 0 for that measurement only, as tuned's latency-performance
+profile does), which removes the wake-up cost and leaves the cross-core hops. Then
 the proxy's throughput at a fixed concurrency for a fixed number of requests, with the proxy
 pinned to one core (taskset) and the backend and load generator on the other. Bounded by
 --requests.
@@ -16,12 +19,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import msgspec
@@ -135,6 +141,22 @@ def pinned(cpu: int, command: list[str]) -> list[str]:
     return ["taskset", "-c", str(cpu), *command] if two_cores() else command
 
 
+@contextlib.contextmanager
+def polling_idle() -> Iterator[bool]:
+    """Hold a CPU wake-up latency limit of 0 (idle cores poll) while open; the kernel drops the
+    limit when the file is closed. Yields False where that cannot be set (not root)."""
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+    except OSError:
+        yield False
+        return
+    try:
+        os.write(fd, struct.pack("i", 0))
+        yield True
+    finally:
+        os.close(fd)
+
+
 def place(cpus: dict[int, set[int]]) -> None:
     """Move processes (pid -> allowed cores); pid 0 is this load generator."""
     for pid, allowed in cpus.items():
@@ -180,6 +202,10 @@ async def main(requests: int, concurrency: int) -> None:
             place({0: {1}})
             await added_latency("proxy on core 0, backend and client on core 1", direct_url,
                                 proxy_url, proxy.pid, requests)
+            with polling_idle() as polling:
+                if polling:
+                    await added_latency("the same, idle cores polling (cpu_dma_latency 0)",
+                                        direct_url, proxy_url, proxy.pid, requests)
             # No cross-core wake-ups: all the proxy's own time is on the critical path.
             place({proxy.pid: {1}})
             await added_latency("all on one core", direct_url, proxy_url, proxy.pid, requests)
