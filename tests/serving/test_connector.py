@@ -145,10 +145,12 @@ def common(kind: str, tiny_models: dict[str, Path], model: Path | None = None) -
             "prompts": PROMPTS, "one_at_a_time": True}
 
 
-def prefill(tmp: Path, request: dict[str, Any], master: str) -> tuple[list[dict[str, Any]], str]:
+def prefill(tmp: Path, request: dict[str, Any], master: str,
+            extra: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], str]:
+    config = connector_config("kv_producer", master)
+    config["kv_connector_extra_config"].update(extra or {})
     result, log = run_engine(tmp, "prefill", {
-        **request, "max_tokens": 1,
-        "kv_transfer_config": connector_config("kv_producer", master),
+        **request, "max_tokens": 1, "kv_transfer_config": config,
         "kv_transfer_params": [{"do_remote_decode": True}] * len(PROMPTS)})
     params = result["kv_transfer_params"]
     assert all(p and p["do_remote_prefill"] and p["kvhelper_tokens"] > 0 for p in params), params
@@ -157,11 +159,12 @@ def prefill(tmp: Path, request: dict[str, Any], master: str) -> tuple[list[dict[
 
 def decode(tmp: Path, request: dict[str, Any], master: str, params: list[dict[str, Any]],
            policy: str = "recompute", reference: bool = False,
-           load_async: bool = True) -> tuple[dict[str, Any], str]:
-    # Asynchronous loads (opt-in) unless a test asks for loads inside the step (the default).
-    """The decode engine's result; with `reference`, also the same prompts recomputed on it."""
+           load_async: bool = True, extra: dict[str, Any] | None = None
+           ) -> tuple[dict[str, Any], str]:
+    """The decode engine's result; with `reference`, also the same prompts recomputed on it.
+    Loads are asynchronous unless `load_async` is False."""
     config = {**connector_config("kv_consumer", master), "kv_load_failure_policy": policy}
-    config["kv_connector_extra_config"]["load_async"] = load_async
+    config["kv_connector_extra_config"].update({"load_async": load_async, **(extra or {})})
     return run_engine(tmp, "decode", {**request, "max_tokens": 8, "kv_transfer_config": config,
                                       "kv_transfer_params": params, "reference": reference})
 
@@ -328,6 +331,51 @@ def test_gqa_tensor_parallel_ranks_store_and_load_their_own_heads(
     result, decode_log = decode(tmp_path, request, mooncake, params, reference=True)
     loaded = loaded_blocks(decode_log)
     assert len(loaded) == 2 * len(PROMPTS) and all(loaded), decode_log[-3000:]
+    assert result["token_ids"] == result["reference_token_ids"]
+
+
+def test_gqa_pages_cross_tp_sizes_in_head_shards(tiny_models, mooncake, prefilled, tmp_path,
+                                                monkeypatch) -> None:
+    """A TP-1 prefill with store_tp_size 2 stores each block as two one-head shards, whose bytes
+    are exactly the heads of the page a TP-1 prefill stores whole; a TP-2 decode loads them,
+    each rank its own head, and generates what it computes without transfer."""
+    request = common("gqa", tiny_models)
+    params, prefill_log = prefill(tmp_path, request, mooncake, extra={"store_tp_size": 2})
+    assert "store shards [0, 1] of 2" in prefill_log
+    assert all(p["kvhelper_identity"]["store_tp_size"] == 2 for p in params)
+    fingerprint = fingerprint_in(prefill_log)
+    assert fingerprint == prefilled.fingerprint("gqa")  # the same layout, other shard keys
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with store_client(mooncake) as client:
+        for ours, whole in zip(params, prefilled("gqa"), strict=True):
+            prefix_hash = ours["kvhelper_prefix_hash"]
+            assert prefix_hash == whole["kvhelper_prefix_hash"]
+            # (layers, heads, block, K and V of 64): the CPU cache's packed page, per layer.
+            page = read_value(client, block_key(fingerprint, prefix_hash, (1, 0)))
+            page = page.view(2, 2, -1)
+            for head in (0, 1):
+                shard = read_value(client, block_key(fingerprint, prefix_hash, (2, head)))
+                assert torch.equal(shard.view(2, -1), page[:, head])
+    result, decode_log = decode(tmp_path, {**request, "tensor_parallel_size": 2}, mooncake,
+                                params, reference=True)
+    assert "store shards [1] of 2" in decode_log  # rank 1 reads the second head's shard
+    loaded = loaded_blocks(decode_log)
+    assert len(loaded) == 2 * len(PROMPTS) and all(loaded), decode_log[-3000:]
+    assert result["token_ids"] == result["reference_token_ids"]
+
+
+def test_gqa_tp2_prefill_feeds_a_tp1_decode_with_the_same_store_tp_size(
+        tiny_models, mooncake, tmp_path) -> None:
+    """The other way round: a TP-2 prefill stores one shard per rank; a TP-1 decode with
+    store_tp_size 2 reads both into its two-head pages."""
+    model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-cross")  # pages of its own
+    request = common("gqa", tiny_models, model)
+    params, _ = prefill(tmp_path, {**request, "tensor_parallel_size": 2}, mooncake)
+    result, decode_log = decode(tmp_path, request, mooncake, params, reference=True,
+                                extra={"store_tp_size": 2})
+    assert "store shards [0, 1] of 2" in decode_log
+    loaded = loaded_blocks(decode_log)
+    assert len(loaded) == len(PROMPTS) and all(loaded), decode_log[-3000:]
     assert result["token_ids"] == result["reference_token_ids"]
 
 

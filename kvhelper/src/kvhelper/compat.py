@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from kvhelper.layout import ModelKVSpec
+from kvhelper.tp import TPMismatchError, store_sharding
 
 # Hash algorithms whose seed is random per process unless PYTHONHASHSEED is set (vLLM's rule).
 NON_CRYPTO_HASHES = frozenset({"xxhash", "xxhash_cbor"})
@@ -44,13 +45,25 @@ def identity(vllm_config: Any) -> dict[str, Any]:
         "kv_heads": spec.total_kv_heads, "hash": algo,
     }
     if not spec.use_mla:
-        # K/V pages hold one rank's heads; resharding them is not implemented yet.
-        found["tp_size"] = spec.tp_size
+        # K/V pages are stored in head shards; instances must agree on how many (kvhelper.tp).
+        transfer = vllm_config.kv_transfer_config
+        requested = dict(transfer.kv_connector_extra_config or {}).get("store_tp_size") \
+            if transfer is not None else None
+        try:  # every rank of an instance holds as many heads as rank 0
+            sharding = store_sharding(spec.total_kv_heads, spec.tp_size, 0, requested)
+        except TPMismatchError as err:
+            raise IncompatibleConfig(f"kv_connector_extra_config: {err}") from None
+        found["store_tp_size"] = sharding.shards
     return found
 
 
 def differences(prefill: dict[str, Any], decode: dict[str, Any]) -> list[str]:
     """`name: prefill value != decode value` for every setting that differs."""
-    return [f"{name}: {prefill.get(name)!r} (prefill) != {decode.get(name)!r} (decode)"
-            for name in sorted(set(prefill) | set(decode))
-            if prefill.get(name) != decode.get(name)]
+    found = [f"{name}: {prefill.get(name)!r} (prefill) != {decode.get(name)!r} (decode)"
+             for name in sorted(set(prefill) | set(decode))
+             if prefill.get(name) != decode.get(name)]
+    if prefill.get("store_tp_size") != decode.get("store_tp_size"):
+        found.append("K/V pages are stored in store_tp_size head shards, by default the TP "
+                     "size: set kv_connector_extra_config.store_tp_size to the same multiple "
+                     "of both TP sizes on prefill and decode")
+    return found

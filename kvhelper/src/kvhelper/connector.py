@@ -16,6 +16,10 @@ When the cache is in host memory (vLLM's CPU build), values go straight between 
 the store, one piece per layer and region of a block (Mooncake's multi-buffer batch calls):
 no staging copy. A device cache goes through a host staging buffer.
 
+K/V pages are stored as `store_tp_size` shards of heads per block (`kvhelper.tp`; default: the
+instance's TP size), so that prefill and decode instances with different TP sizes exchange
+pages when both set the same `store_tp_size` in kv_connector_extra_config.
+
 Prefill also sends its identity and the hash of its last stored block, so a decode instance
 that could never use those pages (another model, block size, dtype or prompt hashing) refuses
 them up front with a message naming the difference, and recomputes. Counters and timings go
@@ -44,6 +48,7 @@ from kvhelper.keys import block_key
 from kvhelper.layout import ModelKVSpec, describe_kv_caches
 from kvhelper.pages import PageMover
 from kvhelper.store import MooncakeConfig, MooncakeKVStore
+from kvhelper.tp import StoreSharding, store_sharding
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,6 +121,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self._staging: torch.Tensor | None = None
         self._direct = False
         self._fingerprint = ""
+        self._sharding: StoreSharding | None = None  # None: rank-agnostic (MLA) pages
         self._failed_blocks: set[int] = set()
         # One thread: loads run in order, and at most one uses the staging buffer at a time.
         self._loader: ThreadPoolExecutor | None = None
@@ -228,6 +234,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         layout = describe_kv_caches(kv_caches, spec)
         self._mover = PageMover(layout, kv_caches)
         self._fingerprint = layout.fingerprint()
+        if not layout.rank_agnostic:
+            self._sharding = store_sharding(spec.total_kv_heads, spec.tp_size, spec.tp_rank,
+                                            self.extra.get("store_tp_size"))
+            if self._sharding.local_shards > 1:
+                self._mover.piece_bytes(self._heads(0))  # refuses layouts that mix heads
         self._store = MooncakeKVStore(self._config)
         self._direct = self._mover.device.type == "cpu"
         if self._direct:
@@ -237,26 +248,59 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                            // self.block_size)
             self._staging = torch.empty(self._mover.nbytes(max_blocks), dtype=torch.uint8)
             self._store.register(self._staging)
-        log.info("kvhelper connector ready: %s, fingerprint %s, %s", layout.describe(),
+        sharding = self._sharding
+        log.info("kvhelper connector ready: %s, fingerprint %s, %s, %s", layout.describe(),
                  self._fingerprint, "direct cache transfers" if self._direct
-                 else "transfers through a staging buffer")
-
-    def _keys(self, hashes: list[str]) -> list[str]:
-        assert self._mover is not None
-        layout = self._mover.layout
-        shard = None if layout.rank_agnostic else (layout.spec.tp_size, layout.spec.tp_rank)
-        return [block_key(self._fingerprint, h, shard) for h in hashes]
+                 else "transfers through a staging buffer",
+                 "rank-agnostic pages" if sharding is None else
+                 f"store shards {list(sharding.shard_ids)} of {sharding.shards}"
+                 + ("" if sharding.writes else " (read only: another rank stores these heads)"))
 
     @property
-    def _block_bytes(self) -> int:
-        assert self._mover is not None
-        return self._mover.layout.page_bytes * self._mover.layout.num_layers
+    def _shards_per_block(self) -> int:
+        return 1 if self._sharding is None else self._sharding.local_shards
 
-    def _slots(self, count: int) -> tuple[list[int], list[int]]:
-        """Places for `count` block values in the staging buffer."""
-        assert self._staging is not None
-        base, size = self._staging.data_ptr(), self._block_bytes
-        return [base + i * size for i in range(count)], [size] * count
+    def _heads(self, local_index: int) -> tuple[int, int] | None:
+        """The heads of this rank's `local_index`-th shard; None: the whole page."""
+        sharding = self._sharding
+        if sharding is None or sharding.local_shards == 1:
+            return None
+        return sharding.head_offset(local_index), sharding.heads_per_shard
+
+    def _keys(self, hashes: list[str]) -> list[str]:
+        """Store keys, block-major: each block's shards in order."""
+        sharding = self._sharding
+        if sharding is None:
+            return [block_key(self._fingerprint, h) for h in hashes]
+        return [block_key(self._fingerprint, h, (sharding.shards, shard))
+                for h in hashes for shard in sharding.shard_ids]
+
+    def _spans(self, block_ids: list[int]) -> list[list[int]]:
+        """Addresses of each key's pieces (`_keys` order): in the cache when transfers are
+        direct, else in the staging buffer where `gather(order="block")` puts them."""
+        assert self._mover is not None
+        per_shard = []
+        for local in range(self._shards_per_block):
+            heads = self._heads(local)
+            if self._direct:
+                per_shard.append(self._mover.block_spans(block_ids, heads))
+            else:
+                assert self._staging is not None
+                per_shard.append(self._mover.buffer_spans(self._staging.data_ptr(),
+                                                          len(block_ids), heads))
+        return [spans for block in zip(*per_shard, strict=True) for spans in block]
+
+    @property
+    def _piece_bytes(self) -> int:
+        assert self._mover is not None
+        return self._mover.piece_bytes(self._heads(0))
+
+    @property
+    def _value_bytes(self) -> int:
+        """Bytes of one store value: a block's pages (of this rank's shard) in every layer."""
+        assert self._mover is not None
+        layout = self._mover.layout
+        return layout.page_bytes * layout.num_layers // self._shards_per_block
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -267,7 +311,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             # possible: vLLM's busy loop holds it, and each hand-over can cost a switch interval.
             started = time.perf_counter()
             keys = self._keys(load.block_hashes)
-            spans = self._mover.block_spans(load.block_ids) if self._direct else None
+            spans = self._spans(load.block_ids)
             if self.load_async:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvhelper-load")
@@ -285,24 +329,22 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self._account(self._loading.pop(req_id).result())
         return None, done or None
 
-    def _read(self, load: Transfer, keys: list[str], spans: list[list[int]] | None,
+    def _read(self, load: Transfer, keys: list[str], spans: list[list[int]],
               started: float) -> LoadOutcome:
         """Read a request's pages into its blocks (on the loader thread when loads are async):
-        straight into the cache at `spans`, or through the staging buffer. The time counts
+        straight into the cache, or into the staging buffer and then the cache. The time counts
         from `started`, when the load was asked for."""
         assert self._store is not None and self._mover is not None
         try:
-            if spans is not None:
-                failed = self._store.get_parts(keys, spans, self._mover.row_bytes)
-            else:
-                failed = self._store.get(keys, *self._slots(len(keys)))
+            failed = self._store.get_parts(keys, spans, self._piece_bytes)
         except Exception as err:  # never lose a request's completion: count it all as failed
             log.warning("request %s: reading KV pages failed: %s", load.req_id, err)
             failed = dict.fromkeys(keys, -1)
         # Pages after the first missing one are useless: a prefix must be contiguous. (Blocks
         # reported as failed are recomputed, so bytes a direct read left in them do not matter.)
-        good = next((i for i, key in enumerate(keys) if key in failed), len(keys))
-        if good and spans is None:
+        first_failed = next((i for i, key in enumerate(keys) if key in failed), len(keys))
+        good = first_failed // self._shards_per_block
+        if good and not self._direct:
             # Still on the loader thread: the next load may not reuse the staging buffer yet.
             assert self._staging is not None
             self._mover.scatter(load.block_ids[:good], self._staging, order="block")
@@ -321,7 +363,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                         total - good, total, outcome.errors)
         else:
             self.stats.count("requests_loaded")
-        nbytes = good * self._block_bytes
+        nbytes = good * self._shards_per_block * self._value_bytes
         self.stats.count("blocks_loaded", good)
         self.stats.count("bytes_loaded", nbytes)
         self.stats.observe("load_seconds", outcome.seconds)
@@ -343,28 +385,28 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         layout = self._mover.layout
         if layout.rank_agnostic and layout.spec.tp_rank != 0:
             return  # MLA pages are identical on every rank: rank 0 stores them once
+        if self._sharding is not None and not self._sharding.writes:
+            return  # a replica of heads that another rank stores
         for save in meta.saves:
             if not save.block_ids:
                 continue
             started = time.perf_counter()
             keys = self._keys(save.block_hashes)
-            if self._direct:
-                result = self._store.put_parts(keys, self._mover.block_spans(save.block_ids),
-                                               self._mover.row_bytes)
-            else:
+            if not self._direct:
                 assert self._staging is not None
                 self._mover.gather(save.block_ids, self._staging, order="block")
-                result = self._store.put(keys, *self._slots(len(keys)))
+            result = self._store.put_parts(keys, self._spans(save.block_ids), self._piece_bytes)
             if result.failed:
                 log.warning("request %s: %d KV blocks could not be stored (%s)", save.req_id,
                             len(result.failed), sorted(set(result.failed.values())))
             self.stats.count("blocks_stored", len(result.stored))
             self.stats.count("blocks_skipped", len(result.skipped))
             self.stats.count("blocks_store_failed", len(result.failed))
-            self.stats.count("bytes_stored", len(result.stored) * self._block_bytes)
+            self.stats.count("bytes_stored", len(result.stored) * self._value_bytes)
             self.stats.observe("store_seconds", time.perf_counter() - started)
             log.info("request %s: stored %d KV blocks, %d already in the store", save.req_id,
-                     len(result.stored), len(result.skipped))
+                     len(result.stored) // self._shards_per_block,
+                     len(result.skipped) // self._shards_per_block)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -24,9 +24,11 @@ COUNTERS = {
     "blocks_loaded": "KV blocks loaded from the store",
     "blocks_load_failed": "KV blocks that could not be loaded (recomputed or failed by policy)",
     "bytes_loaded": "KV bytes loaded from the store",
-    "blocks_stored": "KV blocks stored",
-    "blocks_skipped": "KV blocks not stored because the store already had them",
-    "blocks_store_failed": "KV blocks that could not be stored",
+    # Stored per store value: one per block, or per block and head shard when a rank's pages
+    # are split into several (store_tp_size above the TP size).
+    "blocks_stored": "KV block values stored",
+    "blocks_skipped": "KV block values not stored because the store already had them",
+    "blocks_store_failed": "KV block values that could not be stored",
     "bytes_stored": "KV bytes stored",
 }
 DURATIONS = {

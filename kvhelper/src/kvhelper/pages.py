@@ -132,16 +132,46 @@ class PageMover:
                                out=self._layer_rows(rows, space, pages))
         return buffer
 
-    def block_spans(self, block_ids: Sequence[int] | torch.Tensor) -> list[list[int]]:
-        """For each block, the addresses of its rows in the cache, in `order="block"` buffer
-        order; each row is `row_bytes` long. Lets a store read or write a block's value
-        straight from or into the cache, with no buffer in between."""
+    def block_spans(self, block_ids: Sequence[int] | torch.Tensor,
+                    heads: tuple[int, int] | None = None) -> list[list[int]]:
+        """For each block, the addresses of its pieces in the cache, in `order="block"` buffer
+        order: one per layer and region, `piece_bytes(heads)` long. Lets a store read or write
+        a block's value straight from or into the cache, with no buffer in between.
+
+        `heads=(first, count)`: only those KV heads of each page (head-major layouts)."""
         self._check_order("block")
         space = self._spaces[0]
         index = self.block_index(block_ids)
         rows = self._rows_of(space, index, "block").reshape(index.numel(), -1)
-        addresses = rows * self.row_bytes + space.rows.data_ptr()
-        return [list(map(int, block)) for block in addresses.tolist()]
+        addresses = rows * self.row_bytes + (space.rows.data_ptr() + self._head_offset(heads))
+        return addresses.tolist()
+
+    def buffer_spans(self, address: int, count: int,
+                     heads: tuple[int, int] | None = None) -> list[list[int]]:
+        """`block_spans` for `count` blocks laid out in a buffer by `gather(order="block")`."""
+        rows = self.layout.num_layers * len(self.layout.regions)
+        base = address + self._head_offset(heads)
+        return [[base + (block * rows + row) * self.row_bytes for row in range(rows)]
+                for block in range(count)]
+
+    def piece_bytes(self, heads: tuple[int, int] | None = None) -> int:
+        """Bytes of each piece `block_spans(..., heads)` returns."""
+        return self.row_bytes if heads is None else heads[1] * self._head_bytes()
+
+    def _head_bytes(self) -> int:
+        if not self.layout.head_major:
+            raise LayoutError(f"the {self.layout.kind.value} layout interleaves KV heads inside "
+                              "a page, so a page cannot be split by head")
+        return self.row_bytes // self.layout.kv_heads
+
+    def _head_offset(self, heads: tuple[int, int] | None) -> int:
+        if heads is None:
+            return 0
+        first, count = heads
+        if first < 0 or count < 1 or first + count > self.layout.kv_heads:
+            raise IndexError(f"heads {first}..{first + count - 1} are not among this page's "
+                             f"{self.layout.kv_heads}")
+        return first * self._head_bytes()
 
     def storage_span(self) -> tuple[int, int]:
         """(address, bytes) of the one storage every layer lives in, for registering it."""

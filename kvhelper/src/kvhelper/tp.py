@@ -1,32 +1,28 @@
-"""Tensor parallelism: which source page slices feed each destination rank.
+"""Tensor parallelism: how K/V pages are split into store values so that prefill and decode
+instances with different TP sizes can exchange them.
 
-MLA pages are identical on every rank, so every destination rank reads the one rank-agnostic
-page, whatever the two TP sizes. GQA pages hold the KV heads of one rank (vLLM splits heads
-evenly, or replicates them when there are fewer heads than ranks); a destination rank's page is
-assembled from the head slices of the source ranks that hold its heads. That needs each head to
-be a contiguous run inside a page (a head-major layout); otherwise only equal TP sizes work.
-Every unsupported combination is refused before any transfer.
+MLA pages are identical on every rank: one rank-agnostic value per block, whatever the TP sizes.
+K/V pages hold the KV heads of one rank (vLLM splits heads evenly over the ranks, or replicates
+them when there are fewer heads than ranks). The store holds each block as `shards` values, each
+of `total_heads / shards` consecutive heads (vLLM's Mooncake store calls the count
+`store_tp_size`). A rank writes and reads the shards of the heads it holds, each shard into its
+place among the rank's heads. Two instances exchange pages when they use the same shard count,
+whatever their TP sizes, as long as every shard lies inside one rank of each: the count must
+divide the number of KV heads and be a multiple of each TP size (up to the head count).
+
+By default the count is the instance's own TP size (capped at the head count), so a rank's page
+is one value. A rank that holds several shards splits its page by head, which needs each head's
+bytes to be contiguous in the page (a head-major layout, such as vLLM's CPU cache); other
+layouts are refused at start-up.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvhelper.layout import KVCacheLayout
-
 
 class TPMismatchError(ValueError):
-    """The prefill and decode TP sizes cannot exchange pages; the message says why."""
-
-
-@dataclass(frozen=True)
-class HeadSlice:
-    """Heads [src_head, src_head + num_heads) of `src_rank`'s page go to [dst_head, ...)."""
-
-    src_rank: int  # -1: the rank-agnostic (MLA) page
-    src_head: int
-    dst_head: int
-    num_heads: int
+    """A shard count that these TP sizes and heads cannot use; the message says why."""
 
 
 def heads_of_rank(total_heads: int, tp_size: int, rank: int) -> range:
@@ -45,57 +41,51 @@ def heads_of_rank(total_heads: int, tp_size: int, rank: int) -> range:
     return range(head, head + 1)
 
 
-def source_rank_for(total_heads: int, tp_size: int, head: int) -> int:
-    """The first source rank holding `head` (replicas hold identical data)."""
-    if total_heads >= tp_size:
-        return head // (total_heads // tp_size)
-    return head * (tp_size // total_heads)
+@dataclass(frozen=True)
+class StoreSharding:
+    """Which store shards of a block one TP rank writes and reads."""
+
+    shards: int  # values per block in the store
+    heads_per_shard: int
+    first_shard: int  # the rank's shards are first_shard, first_shard + 1, ...
+    local_shards: int  # how many the rank holds (its page is split into this many)
+    writes: bool  # False for a replica of heads another rank already stores
+
+    @property
+    def shard_ids(self) -> range:
+        return range(self.first_shard, self.first_shard + self.local_shards)
+
+    def head_offset(self, local_index: int) -> int:
+        """Where the rank's `local_index`-th shard starts among its own heads."""
+        return local_index * self.heads_per_shard
 
 
-def plan_tp_transfer(layout: KVCacheLayout, src_tp: int, dst_tp: int) -> dict[int, list[HeadSlice]]:
-    """For each destination rank, the head slices to read, in destination head order."""
-    if layout.rank_agnostic:
-        return {rank: [HeadSlice(-1, 0, 0, 1)] for rank in range(dst_tp)}
-    total = layout.spec.total_kv_heads
-    if src_tp != dst_tp and not layout.head_major:
+def effective_shards(total_heads: int, tp_size: int, requested: int | None) -> int:
+    """The shard count an instance uses: `requested` (default: its TP size), capped at the
+    number of KV heads (a shard never holds less than one head)."""
+    shards = tp_size if requested is None else requested
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise TPMismatchError(f"store_tp_size must be a positive integer, not {shards!r}")
+    return min(shards, total_heads)
+
+
+def store_sharding(total_heads: int, tp_size: int, rank: int,
+                   requested: int | None = None) -> StoreSharding:
+    """The shards `rank` of a TP-`tp_size` instance writes and reads; refused with a message
+    naming `store_tp_size` when the count cannot work for these heads and TP size."""
+    shards = effective_shards(total_heads, tp_size, requested)
+    owned = heads_of_rank(total_heads, tp_size, rank)
+    if total_heads % shards:
         raise TPMismatchError(
-            f"prefill TP {src_tp} and decode TP {dst_tp} differ, and the {layout.kind.value} "
-            "layout interleaves heads inside a page; use equal TP sizes")
-    plan: dict[int, list[HeadSlice]] = {}
-    for dst_rank in range(dst_tp):
-        wanted = heads_of_rank(total, dst_tp, dst_rank)
-        slices: list[HeadSlice] = []
-        for dst_index, head in enumerate(wanted):
-            src_rank = source_rank_for(total, src_tp, head)
-            src_heads = heads_of_rank(total, src_tp, src_rank)
-            src_index = head - src_heads.start
-            last = slices[-1] if slices else None
-            if last and last.src_rank == src_rank and \
-                    last.src_head + last.num_heads == src_index and \
-                    last.dst_head + last.num_heads == dst_index:
-                slices[-1] = HeadSlice(src_rank, last.src_head, last.dst_head,
-                                       last.num_heads + 1)
-            else:
-                slices.append(HeadSlice(src_rank, src_index, dst_index, 1))
-        plan[dst_rank] = slices
-    return plan
-
-
-def page_byte_ranges(layout: KVCacheLayout, head_slice: HeadSlice,
-                     src_heads_per_rank: int) -> list[tuple[int, int, int]]:
-    """(source byte offset, destination byte offset, length) inside one page, per region.
-
-    Source pages hold `src_heads_per_rank` heads, destination pages `layout.kv_heads`.
-    """
-    if head_slice.src_rank == -1:
-        return [(0, 0, layout.page_bytes)]
-    ranges = []
-    src_base = dst_base = 0
-    for region in layout.regions:
-        per_head = region.nbytes // layout.kv_heads
-        ranges.append((src_base + head_slice.src_head * per_head,
-                       dst_base + head_slice.dst_head * per_head,
-                       head_slice.num_heads * per_head))
-        src_base += per_head * src_heads_per_rank
-        dst_base += region.nbytes
-    return ranges
+            f"store_tp_size {shards} does not divide the model's {total_heads} KV heads; use a "
+            f"divisor of {total_heads} that is a multiple of every instance's TP size")
+    per_shard = total_heads // shards
+    if len(owned) % per_shard:
+        raise TPMismatchError(
+            f"store_tp_size {shards} gives shards of {per_shard} heads, but each rank of TP "
+            f"{tp_size} holds {len(owned)}: a shard would span ranks; use a multiple of "
+            f"{min(tp_size, total_heads)}")
+    replicas = max(1, tp_size // total_heads)
+    return StoreSharding(shards=shards, heads_per_shard=per_shard,
+                         first_shard=owned.start // per_shard,
+                         local_shards=len(owned) // per_shard, writes=rank % replicas == 0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -142,6 +143,13 @@ def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, obj
     if connector == ConnectorName.MOONCAKE_STORE:
         extra["mooncake_config_path"] = f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"
     extra.update(spec.kv_transfer.extra_config)
+    prefill_tp, decode_tp = (spec.prefill.tensor_parallel_size,
+                             spec.decode.tensor_parallel_size)
+    if connector == ConnectorName.MOONCAKE_STORE and prefill_tp != decode_tp:
+        # K/V pages cross TP sizes as head shards whose count both roles must share; the least
+        # common multiple is the smallest count that lies inside one rank of each. (MLA pages
+        # ignore it; a model with too few heads for it is refused by the connector at start.)
+        extra.setdefault("store_tp_size", math.lcm(prefill_tp, decode_tp))
     if connector == ConnectorName.NIXL:
         kv_role = "kv_both"  # NIXL pulls from either side; vLLM documents kv_both for it
     else:
