@@ -1,5 +1,7 @@
 """Gather/scatter of whole pages: round trips over random block tables, layers and layouts."""
 
+import ctypes
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -117,3 +119,28 @@ def test_block_spans_address_exactly_the_bytes_of_a_block_major_value(kind, laye
     read = torch.cat([whole[a - origin:a - origin + mover.row_bytes]
                       for block in spans for a in block])
     assert torch.equal(read, mover.gather(ids, order="block"))
+
+
+@settings(max_examples=30, deadline=None)
+@given(layers=st.integers(1, 3), data=st.data())
+def test_head_spans_in_the_cache_and_in_a_gathered_buffer_hold_the_same_bytes(layers,
+                                                                              data) -> None:
+    """A shard of heads (what a rank holding several store shards moves): read from the cache
+    directly, or from a staging buffer `gather` filled, the pieces are that head's bytes."""
+    caches = shared_caches((12, 4, 16, 32), layers, seed=6)  # packed: 4 heads of 16
+    mover = PageMover(describe_kv_caches(caches, gqa_spec(heads=4, head_dim=16), num_blocks=12),
+                      caches)
+    ids = data.draw(st.lists(st.integers(0, 11), min_size=1, max_size=6, unique=True))
+    heads = data.draw(st.sampled_from([(0, 1), (1, 1), (2, 2), (0, 4)]))
+    buffer = mover.gather(ids, order="block")
+    size = mover.piece_bytes(heads)
+    assert size == heads[1] * 16 * 32 * 2
+
+    def read(spans: list[list[int]]) -> bytes:
+        return b"".join(ctypes.string_at(a, size) for block in spans for a in block)
+
+    from_cache = read(mover.block_spans(ids, heads))
+    assert from_cache == read(mover.buffer_spans(buffer.data_ptr(), len(ids), heads))
+    expected = torch.stack([cache[ids, heads[0]:heads[0] + heads[1]]
+                            for cache in caches.values()], dim=1)  # (blocks, layers, ...)
+    assert from_cache == expected.contiguous().view(torch.uint8).numpy().tobytes()
