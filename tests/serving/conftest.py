@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +11,9 @@ import torch
 from aiohttp import web
 from kvhelper.discovery import StaticDiscovery
 from kvhelper.layout import ModelKVSpec
+from kvhelper.master_process import MooncakeMaster
 from kvhelper.proxy.app import Proxy, ProxyConfig
+from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
 from .fake_vllm import FakeVLLM, free_port
 
@@ -87,3 +89,29 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+def in_private_network() -> bool:
+    """Only loopback in this process's network namespace (/proc/self/net follows it)."""
+    lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
+    return [line.split(":")[0].strip() for line in lines] == ["lo"]
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[str]:
+    if not in_private_network():
+        pytest.fail("Mooncake binds every interface: run this suite in a network namespace "
+                    "(`make test` uses `unshare -n`)")
+    with MooncakeMaster(tmp_path / "master.log", extra_args=["--client_ttl=5"]) as master:
+        yield master.address
+
+
+@pytest.fixture
+def store(master: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[MooncakeKVStore]:
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    client = MooncakeKVStore(MooncakeConfig(master_server_address=master,
+                                            global_segment_size=64 << 20,
+                                            local_buffer_size=16 << 20,
+                                            local_hostname="127.0.0.1"))
+    yield client
+    client.close()

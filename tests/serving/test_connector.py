@@ -21,7 +21,7 @@ from kvhelper.keys import block_key
 from kvhelper.master_process import MooncakeMaster
 from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
-from .test_store import in_private_network
+from .conftest import in_private_network
 
 HERE = Path(__file__).parent
 # Long enough for full blocks at every block size a CPU backend picks (up to 128).
@@ -29,6 +29,9 @@ PROMPTS = [("the quick brown fox jumps over the lazy dog and the key value cache
             "attention state for every token in the prompt ") * 9,
            ("prefill computes the prompt and decode generates the answer while pages move "
             "between instances through the store ") * 9]
+# A staging buffer of 3 blocks of the tiny GQA model (2 layers x 32 tokens x 512 bytes), so
+# that every prompt moves in several chunks.
+SMALL_STAGING = {"transfer": "staging", "staging_buffer_bytes": 100_000}
 # CPU attention wants multiples of 32 for K/V; for MLA the backend picks (16 without AMX,
 # 32 with it).
 BLOCK_SIZE = {"gqa": 32, "mla": None}
@@ -334,14 +337,36 @@ def test_gqa_tensor_parallel_ranks_store_and_load_their_own_heads(
     assert result["token_ids"] == result["reference_token_ids"]
 
 
+def test_staged_transfers_move_pages_in_chunks(tiny_models, mooncake, tmp_path) -> None:
+    """The path device caches take, run on the CPU cache: pages are gathered into a small
+    registered host buffer and stored chunk by chunk, then read back and scattered the same
+    way; decode's tokens are those it computes without transfer."""
+    model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-staged")  # pages of its own
+    request = common("gqa", tiny_models, model)
+    params, prefill_log = prefill(tmp_path, request, mooncake, extra=SMALL_STAGING)
+    assert "staging buffer (3 blocks at a time)" in prefill_log
+    stored = stored_blocks(prefill_log)
+    assert len(stored) == len(PROMPTS) and min(stored) > 3, prefill_log[-3000:]  # 2+ chunks
+    result, decode_log = decode(tmp_path, request, mooncake, params, reference=True,
+                                extra=SMALL_STAGING)
+    assert "staging buffer (3 blocks at a time)" in decode_log
+    assert loaded_blocks(decode_log) == [tokens // 32 for tokens in
+                                         (p["kvhelper_tokens"] for p in params)], \
+        decode_log[-3000:]
+    assert result["token_ids"] == result["reference_token_ids"]
+
+
 def test_gqa_pages_cross_tp_sizes_in_head_shards(tiny_models, mooncake, prefilled, tmp_path,
                                                 monkeypatch) -> None:
     """A TP-1 prefill with store_tp_size 2 stores each block as two one-head shards, whose bytes
     are exactly the heads of the page a TP-1 prefill stores whole; a TP-2 decode loads them,
     each rank its own head, and generates what it computes without transfer."""
     request = common("gqa", tiny_models)
-    params, prefill_log = prefill(tmp_path, request, mooncake, extra={"store_tp_size": 2})
+    # Through a small staging buffer: the shards are cut from gathered pages, chunk by chunk.
+    params, prefill_log = prefill(tmp_path, request, mooncake,
+                                  extra={"store_tp_size": 2, **SMALL_STAGING})
     assert "store shards [0, 1] of 2" in prefill_log
+    assert "staging buffer (3 blocks at a time)" in prefill_log
     assert all(p["kvhelper_identity"]["store_tp_size"] == 2 for p in params)
     fingerprint = fingerprint_in(prefill_log)
     assert fingerprint == prefilled.fingerprint("gqa")  # the same layout, other shard keys
@@ -367,13 +392,14 @@ def test_gqa_pages_cross_tp_sizes_in_head_shards(tiny_models, mooncake, prefille
 def test_gqa_tp2_prefill_feeds_a_tp1_decode_with_the_same_store_tp_size(
         tiny_models, mooncake, tmp_path) -> None:
     """The other way round: a TP-2 prefill stores one shard per rank; a TP-1 decode with
-    store_tp_size 2 reads both into its two-head pages."""
+    store_tp_size 2 reads both into its two-head pages (through a small staging buffer)."""
     model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-cross")  # pages of its own
     request = common("gqa", tiny_models, model)
     params, _ = prefill(tmp_path, {**request, "tensor_parallel_size": 2}, mooncake)
     result, decode_log = decode(tmp_path, request, mooncake, params, reference=True,
-                                extra={"store_tp_size": 2})
+                                extra={"store_tp_size": 2, **SMALL_STAGING})
     assert "store shards [0, 1] of 2" in decode_log
+    assert "staging buffer (3 blocks at a time)" in decode_log
     loaded = loaded_blocks(decode_log)
     assert len(loaded) == len(PROMPTS) and all(loaded), decode_log[-3000:]
     assert result["token_ids"] == result["reference_token_ids"]

@@ -23,8 +23,8 @@ from disagg_operator.local.metrics import metric_total
 from disagg_operator.local.runner import LocalDeployment, RunFolder, stop_recorded
 from kvhelper.master_process import free_port
 
+from .conftest import in_private_network
 from .test_connector import run_engine
-from .test_store import in_private_network
 
 ROOT = Path(__file__).resolve().parents[2]
 # Distinct prompts (a decode's own prefix cache would otherwise serve repeats), each a few

@@ -7,14 +7,14 @@ namespace of their own: `make test` runs this suite under `unshare -n` with only
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from disagg_operator.etcd_process import free_port
-from kvhelper.master_process import MooncakeMaster
 from kvhelper.store import ConfigError, MooncakeConfig, MooncakeKVStore, StoreError
+
+from .conftest import in_private_network
 
 
 def test_config_from_file_and_extra_config(tmp_path: Path) -> None:
@@ -47,32 +47,6 @@ def test_contradictory_settings_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="protocol is 'rdma' in kv_connector_extra_config"):
         MooncakeConfig.load({"mooncake_config_path": str(path), "protocol": "rdma",
                              "device_name": "mlx5_0"}, environ={})
-
-
-def in_private_network() -> bool:
-    """Only loopback in this process's network namespace (/proc/self/net follows it)."""
-    lines = Path("/proc/self/net/dev").read_text().splitlines()[2:]
-    return [line.split(":")[0].strip() for line in lines] == ["lo"]
-
-
-@pytest.fixture
-def master(tmp_path: Path) -> Iterator[str]:
-    if not in_private_network():
-        pytest.fail("Mooncake binds every interface: run this suite in a network namespace "
-                    "(`make test` uses `unshare -n`)")
-    with MooncakeMaster(tmp_path / "master.log", extra_args=["--client_ttl=5"]) as master:
-        yield master.address
-
-
-@pytest.fixture
-def store(master: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[MooncakeKVStore]:
-    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    client = MooncakeKVStore(MooncakeConfig(master_server_address=master,
-                                            global_segment_size=64 << 20,
-                                            local_buffer_size=16 << 20,
-                                            local_hostname="127.0.0.1"))
-    yield client
-    client.close()
 
 
 def test_pages_round_trip_zero_copy_and_existing_keys_are_skipped(store) -> None:

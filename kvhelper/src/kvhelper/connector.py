@@ -14,7 +14,9 @@ step instead.
 
 When the cache is in host memory (vLLM's CPU build), values go straight between the cache and
 the store, one piece per layer and region of a block (Mooncake's multi-buffer batch calls):
-no staging copy. A device cache goes through a host staging buffer.
+no staging copy. A device cache goes through a registered host buffer of
+`staging_buffer_bytes` (256 MiB by default), chunk by chunk (`kvhelper.block_io`);
+`transfer: staging` makes a host cache take that path too.
 
 K/V pages are stored as `store_tp_size` shards of heads per block (`kvhelper.tp`; default: the
 instance's TP size), so that prefill and decode instances with different TP sizes exchange
@@ -43,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvhelper import compat
+from kvhelper.block_io import DirectBlockIO, LoadJob, StagedBlockIO
 from kvhelper.connector_metrics import TransferPromMetrics, TransferStats
 from kvhelper.keys import block_key
 from kvhelper.layout import ModelKVSpec, describe_kv_caches
@@ -69,6 +72,7 @@ log = logging.getLogger("vllm.kvhelper.connector")
 PARAMS_KEY = "kvhelper_tokens"  # how many prompt tokens decode can load (whole blocks)
 IDENTITY_KEY = "kvhelper_identity"  # compat.identity() of the prefill instance
 PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last block decode can load
+DEFAULT_STAGING_BYTES = 256 << 20  # host buffer for device caches (transfers go chunk by chunk)
 
 
 @dataclass
@@ -108,6 +112,17 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         if not isinstance(self.load_async, bool):
             raise ValueError("kv_connector_extra_config.load_async must be true or false, not "
                              f"{self.load_async!r}")
+        # How values move: "direct" between a host cache and the store, "staging" through a
+        # host buffer (device caches need it), "auto" picks by where the cache lives.
+        self._transfer = self.extra.get("transfer", "auto")
+        if self._transfer not in ("auto", "direct", "staging"):
+            raise ValueError("kv_connector_extra_config.transfer must be auto, direct or "
+                             f"staging, not {self._transfer!r}")
+        self._staging_bytes = self.extra.get("staging_buffer_bytes", DEFAULT_STAGING_BYTES)
+        if isinstance(self._staging_bytes, bool) or not isinstance(self._staging_bytes, int) \
+                or self._staging_bytes < 1:
+            raise ValueError("kv_connector_extra_config.staging_buffer_bytes must be a number "
+                             f"of bytes, not {self._staging_bytes!r}")
         self.stats = TransferStats()
         # Scheduler side
         self._requests: dict[str, Request] = {}
@@ -118,12 +133,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         # Worker side
         self._store: MooncakeKVStore | None = None
         self._mover: PageMover | None = None
-        self._staging: torch.Tensor | None = None
-        self._direct = False
+        self._io: DirectBlockIO | StagedBlockIO | None = None
         self._fingerprint = ""
         self._sharding: StoreSharding | None = None  # None: rank-agnostic (MLA) pages
         self._failed_blocks: set[int] = set()
-        # One thread: loads run in order, and at most one uses the staging buffer at a time.
+        # One thread: loads run in order.
         self._loader: ThreadPoolExecutor | None = None
         self._loading: dict[str, Future[LoadOutcome]] = {}
         if role == KVConnectorRole.WORKER:
@@ -240,18 +254,15 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             if self._sharding.local_shards > 1:
                 self._mover.piece_bytes(self._heads(0))  # refuses layouts that mix heads
         self._store = MooncakeKVStore(self._config)
-        self._direct = self._mover.device.type == "cpu"
-        if self._direct:
-            self._store.register_range(*self._mover.storage_span())
+        heads = [self._heads(i) for i in range(self._shards_per_block)]
+        if self._transfer == "direct" or (self._transfer == "auto"
+                                          and self._mover.device.type == "cpu"):
+            self._io = DirectBlockIO(self._store, self._mover, heads)
         else:
-            max_blocks = -(-int(self._vllm_config.model_config.max_model_len)
-                           // self.block_size)
-            self._staging = torch.empty(self._mover.nbytes(max_blocks), dtype=torch.uint8)
-            self._store.register(self._staging)
+            self._io = StagedBlockIO(self._store, self._mover, heads, self._staging_bytes)
         sharding = self._sharding
         log.info("kvhelper connector ready: %s, fingerprint %s, %s, %s", layout.describe(),
-                 self._fingerprint, "direct cache transfers" if self._direct
-                 else "transfers through a staging buffer",
+                 self._fingerprint, self._io.describe(),
                  "rank-agnostic pages" if sharding is None else
                  f"store shards {list(sharding.shard_ids)} of {sharding.shards}"
                  + ("" if sharding.writes else " (read only: another rank stores these heads)"))
@@ -275,26 +286,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         return [block_key(self._fingerprint, h, (sharding.shards, shard))
                 for h in hashes for shard in sharding.shard_ids]
 
-    def _spans(self, block_ids: list[int]) -> list[list[int]]:
-        """Addresses of each key's pieces (`_keys` order): in the cache when transfers are
-        direct, else in the staging buffer where `gather(order="block")` puts them."""
-        assert self._mover is not None
-        per_shard = []
-        for local in range(self._shards_per_block):
-            heads = self._heads(local)
-            if self._direct:
-                per_shard.append(self._mover.block_spans(block_ids, heads))
-            else:
-                assert self._staging is not None
-                per_shard.append(self._mover.buffer_spans(self._staging.data_ptr(),
-                                                          len(block_ids), heads))
-        return [spans for block in zip(*per_shard, strict=True) for spans in block]
-
-    @property
-    def _piece_bytes(self) -> int:
-        assert self._mover is not None
-        return self._mover.piece_bytes(self._heads(0))
-
     @property
     def _value_bytes(self) -> int:
         """Bytes of one store value: a block's pages (of this rank's shard) in every layer."""
@@ -311,14 +302,15 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             # possible: vLLM's busy loop holds it, and each hand-over can cost a switch interval.
             started = time.perf_counter()
             keys = self._keys(load.block_hashes)
-            spans = self._spans(load.block_ids)
+            assert self._io is not None
+            job = self._io.load_job(keys, load.block_ids)
             if self.load_async:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvhelper-load")
-                self._loading[load.req_id] = self._loader.submit(self._read, load, keys, spans,
+                self._loading[load.req_id] = self._loader.submit(self._read, load, keys, job,
                                                                  started)
             else:
-                self._account(self._read(load, keys, spans, started))
+                self._account(self._read(load, keys, job, started))
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
@@ -329,14 +321,12 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self._account(self._loading.pop(req_id).result())
         return None, done or None
 
-    def _read(self, load: Transfer, keys: list[str], spans: list[list[int]],
+    def _read(self, load: Transfer, keys: list[str], job: LoadJob,
               started: float) -> LoadOutcome:
-        """Read a request's pages into its blocks (on the loader thread when loads are async):
-        straight into the cache, or into the staging buffer and then the cache. The time counts
-        from `started`, when the load was asked for."""
-        assert self._store is not None and self._mover is not None
+        """Read a request's pages into its blocks (on the loader thread when loads are async).
+        The time counts from `started`, when the load was asked for."""
         try:
-            failed = self._store.get_parts(keys, spans, self._piece_bytes)
+            failed = job()
         except Exception as err:  # never lose a request's completion: count it all as failed
             log.warning("request %s: reading KV pages failed: %s", load.req_id, err)
             failed = dict.fromkeys(keys, -1)
@@ -344,10 +334,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         # reported as failed are recomputed, so bytes a direct read left in them do not matter.)
         first_failed = next((i for i, key in enumerate(keys) if key in failed), len(keys))
         good = first_failed // self._shards_per_block
-        if good and not self._direct:
-            # Still on the loader thread: the next load may not reuse the staging buffer yet.
-            assert self._staging is not None
-            self._mover.scatter(load.block_ids[:good], self._staging, order="block")
         return LoadOutcome(load, good, sorted(set(failed.values())),
                            time.perf_counter() - started)
 
@@ -391,11 +377,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             if not save.block_ids:
                 continue
             started = time.perf_counter()
-            keys = self._keys(save.block_hashes)
-            if not self._direct:
-                assert self._staging is not None
-                self._mover.gather(save.block_ids, self._staging, order="block")
-            result = self._store.put_parts(keys, self._spans(save.block_ids), self._piece_bytes)
+            assert self._io is not None
+            result = self._io.store(self._keys(save.block_hashes), save.block_ids)
             if result.failed:
                 log.warning("request %s: %d KV blocks could not be stored (%s)", save.req_id,
                             len(result.failed), sorted(set(result.failed.values())))

@@ -1,0 +1,141 @@
+"""Moving a request's block values between the KV cache and the Mooncake store.
+
+One store value per block, or per block and head shard (`kvhelper.tp`): the pages of that block
+in every layer. Keys come block-major: each block's shards in order. Two ways:
+
+- `DirectBlockIO` (host caches: vLLM's CPU build): Mooncake reads and writes each value straight
+  from the cache, one piece per layer (and region) of the block. The whole cache is registered.
+- `StagedBlockIO` (device caches, or on request): pages are gathered into a registered host
+  buffer of bounded size and stored from there, chunk by chunk; loads go the other way. A device
+  cache is gathered on the device first and copied to the host, since a gather cannot write
+  across devices.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from kvhelper.pages import PageMover
+from kvhelper.store import MooncakeKVStore, PutResult
+
+Heads = tuple[int, int] | None  # (first, count) of a rank's heads; None: the whole page
+Spans = tuple[list[list[int]], int]  # each key's piece addresses, and the bytes of every piece
+LoadJob = Callable[[], dict[str, int]]  # runs a load; returns the keys that failed, with codes
+
+
+class DirectBlockIO:
+    """Values straight between a host cache and the store; no copy of our own."""
+
+    def __init__(self, store: MooncakeKVStore, mover: PageMover,
+                 shard_heads: Sequence[Heads]) -> None:
+        if mover.device.type != "cpu":
+            raise ValueError(f"direct transfers need the KV cache in host memory, not on "
+                             f"{mover.device}; use transfer: staging")
+        self._store, self._mover, self._shard_heads = store, mover, list(shard_heads)
+        store.register_range(*mover.storage_span())
+
+    def describe(self) -> str:
+        return "direct cache transfers"
+
+    def _spans(self, block_ids: list[int]) -> Spans:
+        per_shard = [self._mover.block_spans(block_ids, heads) for heads in self._shard_heads]
+        return (_interleave(per_shard), self._mover.piece_bytes(self._shard_heads[0]))
+
+    def store(self, keys: list[str], block_ids: list[int]) -> PutResult:
+        return self._store.put_parts(keys, *self._spans(block_ids))
+
+    def load_job(self, keys: list[str], block_ids: list[int]) -> LoadJob:
+        # Addresses now, on the caller's thread: the job may run on a loader thread that should
+        # need the GIL as little as possible (vLLM's busy loop holds it).
+        spans = self._spans(block_ids)
+        return lambda: self._store.get_parts(keys, *spans)
+
+
+class StagedBlockIO:
+    """Values through a registered host buffer, `buffer_bytes` at most, chunk by chunk."""
+
+    def __init__(self, store: MooncakeKVStore, mover: PageMover, shard_heads: Sequence[Heads],
+                 buffer_bytes: int) -> None:
+        self._store, self._mover, self._shard_heads = store, mover, list(shard_heads)
+        layout = mover.layout
+        self._block_bytes = layout.page_bytes * layout.num_layers  # all of a block's shards
+        self._chunk_blocks = buffer_bytes // self._block_bytes
+        if self._chunk_blocks < 1:
+            raise ValueError(f"staging_buffer_bytes {buffer_bytes} is less than one block's "
+                             f"pages ({self._block_bytes} bytes)")
+        self._host = torch.empty(self._chunk_blocks * self._block_bytes, dtype=torch.uint8)
+        store.register(self._host)
+        self._device_buffer = None if mover.device.type == "cpu" else torch.empty(
+            self._host.numel(), dtype=torch.uint8, device=mover.device)
+        # Stores (the step's thread) and loads (the loader thread) share the buffer.
+        self._lock = threading.Lock()
+
+    def describe(self) -> str:
+        return (f"transfers through a {self._host.numel() >> 20} MiB staging buffer "
+                f"({self._chunk_blocks} blocks at a time)")
+
+    def _chunks(self, keys: list[str], block_ids: list[int]
+                ) -> Iterator[tuple[list[str], list[int]]]:
+        per_block = len(self._shard_heads)
+        for start in range(0, len(block_ids), self._chunk_blocks):
+            ids = block_ids[start:start + self._chunk_blocks]
+            yield keys[start * per_block:(start + len(ids)) * per_block], ids
+
+    def _spans(self, count: int) -> Spans:
+        """Where gather(order="block") puts `count` blocks' values in the host buffer."""
+        base = self._host.data_ptr()
+        if len(self._shard_heads) == 1 and self._shard_heads[0] is None:
+            return [[base + i * self._block_bytes] for i in range(count)], self._block_bytes
+        per_shard = [self._mover.buffer_spans(base, count, heads) for heads in self._shard_heads]
+        return _interleave(per_shard), self._mover.piece_bytes(self._shard_heads[0])
+
+    def _stage_out(self, block_ids: list[int]) -> None:
+        if self._device_buffer is None:
+            self._mover.gather(block_ids, self._host, order="block")
+            return
+        size = len(block_ids) * self._block_bytes
+        self._mover.gather(block_ids, self._device_buffer, order="block")
+        self._host[:size].copy_(self._device_buffer[:size])
+
+    def _stage_in(self, block_ids: list[int]) -> None:
+        if self._device_buffer is None:
+            self._mover.scatter(block_ids, self._host, order="block")
+            return
+        size = len(block_ids) * self._block_bytes
+        self._device_buffer[:size].copy_(self._host[:size])
+        self._mover.scatter(block_ids, self._device_buffer, order="block")
+
+    def store(self, keys: list[str], block_ids: list[int]) -> PutResult:
+        result = PutResult()
+        with self._lock:
+            for chunk_keys, chunk_ids in self._chunks(keys, block_ids):
+                self._stage_out(chunk_ids)
+                part = self._store.put_parts(chunk_keys, *self._spans(len(chunk_ids)))
+                result.stored += part.stored
+                result.skipped += part.skipped
+                result.failed.update(part.failed)
+        return result
+
+    def load_job(self, keys: list[str], block_ids: list[int]) -> LoadJob:
+        def run() -> dict[str, int]:
+            per_block = len(self._shard_heads)
+            with self._lock:
+                for chunk_keys, chunk_ids in self._chunks(keys, block_ids):
+                    failed = self._store.get_parts(chunk_keys, *self._spans(len(chunk_ids)))
+                    first = next((i for i, key in enumerate(chunk_keys) if key in failed),
+                                 len(chunk_keys))
+                    if first >= per_block:  # whole blocks arrived before any failure
+                        self._stage_in(chunk_ids[:first // per_block])
+                    if failed:  # a prefix must be contiguous: the rest is useless
+                        return failed
+            return {}
+
+        return run
+
+
+def _interleave(per_shard: list[list[list[int]]]) -> list[list[int]]:
+    """[shard][block] -> block-major: each block's shards in order."""
+    return [spans for block in zip(*per_shard, strict=True) for spans in block]
