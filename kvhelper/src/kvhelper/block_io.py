@@ -24,6 +24,7 @@ from kvhelper.store import MooncakeKVStore, PutResult
 Heads = tuple[int, int] | None  # (first, count) of a rank's heads; None: the whole page
 Spans = tuple[list[list[int]], int]  # each key's piece addresses, and the bytes of every piece
 LoadJob = Callable[[], dict[str, int]]  # runs a load; returns the keys that failed, with codes
+DEFAULT_STAGING_BYTES = 256 << 20
 
 
 class DirectBlockIO:
@@ -39,6 +40,9 @@ class DirectBlockIO:
 
     def describe(self) -> str:
         return "direct cache transfers"
+
+    def close(self) -> None:
+        self._store.unregister_range(self._mover.storage_span()[0])
 
     def _spans(self, block_ids: list[int]) -> Spans:
         per_shard = [self._mover.block_spans(block_ids, heads) for heads in self._shard_heads]
@@ -76,6 +80,10 @@ class StagedBlockIO:
     def describe(self) -> str:
         return (f"transfers through a {self._host.numel() >> 20} MiB staging buffer "
                 f"({self._chunk_blocks} blocks at a time)")
+
+    def close(self) -> None:
+        with self._lock:
+            self._store.unregister(self._host)
 
     def _chunks(self, keys: list[str], block_ids: list[int]
                 ) -> Iterator[tuple[list[str], list[int]]]:

@@ -45,7 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvhelper import compat
-from kvhelper.block_io import DirectBlockIO, LoadJob, StagedBlockIO
+from kvhelper.block_io import DEFAULT_STAGING_BYTES, DirectBlockIO, LoadJob, StagedBlockIO
 from kvhelper.connector_metrics import TransferPromMetrics, TransferStats
 from kvhelper.keys import block_key
 from kvhelper.layout import ModelKVSpec, describe_kv_caches
@@ -72,7 +72,6 @@ log = logging.getLogger("vllm.kvhelper.connector")
 PARAMS_KEY = "kvhelper_tokens"  # how many prompt tokens decode can load (whole blocks)
 IDENTITY_KEY = "kvhelper_identity"  # compat.identity() of the prefill instance
 PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last block decode can load
-DEFAULT_STAGING_BYTES = 256 << 20  # host buffer for device caches (transfers go chunk by chunk)
 
 
 @dataclass
