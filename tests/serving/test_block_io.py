@@ -29,12 +29,16 @@ def block(m: PageMover, block_id: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("shards", [[None], [(0, 2), (2, 2)]])
-def test_staged_and_direct_paths_store_the_same_values(store: MooncakeKVStore,
-                                                         shards) -> None:
+@pytest.mark.parametrize("device_buffer", [None, BLOCK_BYTES])
+def test_staged_and_direct_paths_store_the_same_values(store: MooncakeKVStore, shards,
+                                                         device_buffer) -> None:
+    """`device_buffer`: pages pass through a second buffer one block at a time, as a device
+    cache's do (here on the CPU)."""
     ids = [7, 2, 9, 4, 11]
     keys = [f"k{i}/{j}" for i in range(len(ids)) for j in range(len(shards))]
     source = mover(seed=1)
-    staged = StagedBlockIO(store, source, shards, buffer_bytes=2 * BLOCK_BYTES + 100)
+    staged = StagedBlockIO(store, source, shards, buffer_bytes=2 * BLOCK_BYTES + 100,
+                           device_buffer_bytes=device_buffer)
     assert "2 blocks at a time" in staged.describe()
     result = staged.store(keys, ids)  # three chunks
     assert result.stored == keys and not result.failed
@@ -58,7 +62,8 @@ def test_a_staged_load_stops_at_the_first_missing_value(store: MooncakeKVStore) 
     staged_out.store(keys, [0, 1, 2, 3, 4])
     store.remove(keys[3], force=True)  # in the second chunk
     untouched = block(target, 8)
-    staged_in = StagedBlockIO(store, target, [None], buffer_bytes=2 * BLOCK_BYTES)
+    staged_in = StagedBlockIO(store, target, [None], buffer_bytes=2 * BLOCK_BYTES,
+                              device_buffer_bytes=BLOCK_BYTES)
     failed = staged_in.load_job(keys, [5, 6, 7, 8, 9])()
     assert list(failed) == [keys[3]]
     for src, dst in ((0, 5), (1, 6), (2, 7)):  # the blocks before it are in place

@@ -25,6 +25,8 @@ Heads = tuple[int, int] | None  # (first, count) of a rank's heads; None: the wh
 Spans = tuple[list[list[int]], int]  # each key's piece addresses, and the bytes of every piece
 LoadJob = Callable[[], dict[str, int]]  # runs a load; returns the keys that failed, with codes
 DEFAULT_STAGING_BYTES = 256 << 20
+# Device memory for gathers: small, since vLLM has given the device's spare memory to the cache.
+DEVICE_BUFFER_BYTES = 32 << 20
 
 
 class DirectBlockIO:
@@ -59,10 +61,11 @@ class DirectBlockIO:
 
 
 class StagedBlockIO:
-    """Values through a registered host buffer, `buffer_bytes` at most, chunk by chunk."""
+    """Values through a registered host buffer, `buffer_bytes` at most, chunk by chunk; a
+    device cache's pages pass through a device buffer of `device_buffer_bytes` on the way."""
 
     def __init__(self, store: MooncakeKVStore, mover: PageMover, shard_heads: Sequence[Heads],
-                 buffer_bytes: int) -> None:
+                 buffer_bytes: int, device_buffer_bytes: int | None = None) -> None:
         self._store, self._mover, self._shard_heads = store, mover, list(shard_heads)
         layout = mover.layout
         self._block_bytes = layout.page_bytes * layout.num_layers  # all of a block's shards
@@ -70,10 +73,19 @@ class StagedBlockIO:
         if self._chunk_blocks < 1:
             raise ValueError(f"staging_buffer_bytes {buffer_bytes} is less than one block's "
                              f"pages ({self._block_bytes} bytes)")
-        self._host = torch.empty(self._chunk_blocks * self._block_bytes, dtype=torch.uint8)
+        on_device = mover.device.type != "cpu"
+        self._host = torch.empty(self._chunk_blocks * self._block_bytes, dtype=torch.uint8,
+                                 pin_memory=mover.device.type == "cuda")
         store.register(self._host)
-        self._device_buffer = None if mover.device.type == "cpu" else torch.empty(
-            self._host.numel(), dtype=torch.uint8, device=mover.device)
+        if device_buffer_bytes is None and on_device:
+            device_buffer_bytes = DEVICE_BUFFER_BYTES
+        self._device_buffer: torch.Tensor | None = None
+        self._device_blocks = 0
+        if device_buffer_bytes is not None:  # (given on a host cache: tests of this path)
+            self._device_blocks = max(1, min(self._chunk_blocks,
+                                             device_buffer_bytes // self._block_bytes))
+            self._device_buffer = torch.empty(self._device_blocks * self._block_bytes,
+                                              dtype=torch.uint8, device=mover.device)
         # Stores (the step's thread) and loads (the loader thread) share the buffer.
         self._lock = threading.Lock()
 
@@ -100,21 +112,29 @@ class StagedBlockIO:
         per_shard = [self._mover.buffer_spans(base, count, heads) for heads in self._shard_heads]
         return _interleave(per_shard), self._mover.piece_bytes(self._shard_heads[0])
 
+    def _through_device(self, block_ids: list[int]) -> Iterator[tuple[list[int], slice]]:
+        """Runs of blocks that fit the device buffer, with their place in the host buffer."""
+        for start in range(0, len(block_ids), self._device_blocks):
+            ids = block_ids[start:start + self._device_blocks]
+            yield ids, slice(start * self._block_bytes, (start + len(ids)) * self._block_bytes)
+
     def _stage_out(self, block_ids: list[int]) -> None:
-        if self._device_buffer is None:
+        device = self._device_buffer
+        if device is None:
             self._mover.gather(block_ids, self._host, order="block")
             return
-        size = len(block_ids) * self._block_bytes
-        self._mover.gather(block_ids, self._device_buffer, order="block")
-        self._host[:size].copy_(self._device_buffer[:size])
+        for ids, place in self._through_device(block_ids):
+            self._mover.gather(ids, device, order="block")
+            self._host[place].copy_(device[:place.stop - place.start])
 
     def _stage_in(self, block_ids: list[int]) -> None:
-        if self._device_buffer is None:
+        device = self._device_buffer
+        if device is None:
             self._mover.scatter(block_ids, self._host, order="block")
             return
-        size = len(block_ids) * self._block_bytes
-        self._device_buffer[:size].copy_(self._host[:size])
-        self._mover.scatter(block_ids, self._device_buffer, order="block")
+        for ids, place in self._through_device(block_ids):
+            device[:place.stop - place.start].copy_(self._host[place])
+            self._mover.scatter(ids, device, order="block")
 
     def store(self, keys: list[str], block_ids: list[int]) -> PutResult:
         result = PutResult()
