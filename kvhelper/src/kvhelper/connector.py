@@ -48,7 +48,7 @@ from kvhelper import compat
 from kvhelper.block_io import DEFAULT_STAGING_BYTES, DirectBlockIO, LoadJob, StagedBlockIO
 from kvhelper.connector_metrics import TransferPromMetrics, TransferStats
 from kvhelper.keys import block_key
-from kvhelper.layout import ModelKVSpec, describe_kv_caches
+from kvhelper.layout import LayoutError, ModelKVSpec, describe_kv_caches
 from kvhelper.pages import PageMover
 from kvhelper.store import MooncakeConfig, MooncakeKVStore
 from kvhelper.tp import StoreSharding, store_sharding
@@ -251,7 +251,14 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self._sharding = store_sharding(spec.total_kv_heads, spec.tp_size, spec.tp_rank,
                                             self.extra.get("store_tp_size"))
             if self._sharding.local_shards > 1:
-                self._mover.piece_bytes(self._heads(0))  # refuses layouts that mix heads
+                try:
+                    self._mover.piece_bytes(self._heads(0))
+                except LayoutError as err:
+                    raise LayoutError(
+                        f"store_tp_size {self._sharding.shards} splits each rank's pages into "
+                        f"{self._sharding.local_shards} head shards, but {err}; set "
+                        f"store_tp_size to the TP size ({spec.tp_size}) on every instance"
+                    ) from None
         self._store = MooncakeKVStore(self._config)
         heads = [self._heads(i) for i in range(self._shards_per_block)]
         if self._transfer == "direct" or (self._transfer == "auto"
