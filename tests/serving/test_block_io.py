@@ -76,3 +76,18 @@ def test_a_staged_load_stops_at_the_first_missing_value(store: MooncakeKVStore) 
 def test_a_staging_buffer_smaller_than_a_block_is_refused(store: MooncakeKVStore) -> None:
     with pytest.raises(ValueError, match="staging_buffer_bytes 100 is less than one block"):
         StagedBlockIO(store, mover(seed=5), [None], buffer_bytes=100)
+
+
+def test_a_staged_store_writes_only_the_values_the_store_lacks(store: MooncakeKVStore) -> None:
+    source, target = mover(seed=7), mover(seed=8)
+    keys = [f"p{i}/{j}" for i in range(4) for j in range(2)]
+    staged = StagedBlockIO(store, source, [(0, 2), (2, 2)], buffer_bytes=BLOCK_BYTES)
+    assert staged.store(keys[2:4], [5]).stored == keys[2:4]  # block 5's two shards
+    store.remove(keys[3], force=True)  # one of them is gone again
+    result = staged.store(keys, [4, 5, 6, 7])
+    assert result.skipped == [keys[2]]
+    assert result.stored == [key for key in keys if key != keys[2]] and not result.failed
+    assert DirectBlockIO(store, target, [(0, 2), (2, 2)]).load_job(keys, [0, 1, 2, 3])() == {}
+    for src, dst in zip([4, 5, 6, 7], [0, 1, 2, 3], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(block(source, src), block(target, dst),
+                                                     strict=True))

@@ -137,13 +137,26 @@ class StagedBlockIO:
             self._mover.scatter(ids, device, order="block")
 
     def store(self, keys: list[str], block_ids: list[int]) -> PutResult:
-        result = PutResult()
+        """Store the values the store lacks; blocks whose every value it has are not even
+        gathered (a shared prefix costs one existence check)."""
+        per_block = len(self._shard_heads)
+        present = self._store.exists(keys)
+        result = PutResult(skipped=[key for key, there in zip(keys, present, strict=True)
+                                    if there])
+        todo = [b for b in range(len(block_ids))  # positions of blocks with a value missing
+                if not all(present[b * per_block:(b + 1) * per_block])]
         with self._lock:
-            for chunk_keys, chunk_ids in self._chunks(keys, block_ids):
-                self._stage_out(chunk_ids)
-                part = self._store.put_parts(chunk_keys, *self._spans(len(chunk_ids)))
+            for start in range(0, len(todo), self._chunk_blocks):
+                chunk = todo[start:start + self._chunk_blocks]
+                self._stage_out([block_ids[b] for b in chunk])
+                spans, piece_bytes = self._spans(len(chunk))
+                wanted = [(keys[b * per_block + j], spans[i * per_block + j])
+                          for i, b in enumerate(chunk) for j in range(per_block)
+                          if not present[b * per_block + j]]
+                part = self._store.put_parts([key for key, _ in wanted],
+                                             [pieces for _, pieces in wanted], piece_bytes,
+                                             skip_existing=False)
                 result.stored += part.stored
-                result.skipped += part.skipped
                 result.failed.update(part.failed)
         return result
 
