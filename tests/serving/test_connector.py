@@ -149,8 +149,9 @@ def common(kind: str, tiny_models: dict[str, Path], model: Path | None = None) -
 
 
 def prefill(tmp: Path, request: dict[str, Any], master: str,
-            extra: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], str]:
-    config = connector_config("kv_producer", master)
+            extra: dict[str, Any] | None = None, role: str = "kv_producer"
+            ) -> tuple[list[dict[str, Any]], str]:
+    config = connector_config(role, master)
     config["kv_connector_extra_config"].update(extra or {})
     result, log = run_engine(tmp, "prefill", {
         **request, "max_tokens": 1, "kv_transfer_config": config,
@@ -162,11 +163,11 @@ def prefill(tmp: Path, request: dict[str, Any], master: str,
 
 def decode(tmp: Path, request: dict[str, Any], master: str, params: list[dict[str, Any]],
            policy: str = "recompute", reference: bool = False,
-           load_async: bool = True, extra: dict[str, Any] | None = None
-           ) -> tuple[dict[str, Any], str]:
+           load_async: bool = True, extra: dict[str, Any] | None = None,
+           role: str = "kv_consumer") -> tuple[dict[str, Any], str]:
     """The decode engine's result; with `reference`, also the same prompts recomputed on it.
     Loads are asynchronous unless `load_async` is False."""
-    config = {**connector_config("kv_consumer", master), "kv_load_failure_policy": policy}
+    config = {**connector_config(role, master), "kv_load_failure_policy": policy}
     config["kv_connector_extra_config"].update({"load_async": load_async, **(extra or {})})
     return run_engine(tmp, "decode", {**request, "max_tokens": 8, "kv_transfer_config": config,
                                       "kv_transfer_params": params, "reference": reference})
@@ -353,6 +354,22 @@ def test_staged_transfers_move_pages_in_chunks(tiny_models, mooncake, tmp_path) 
     assert loaded_blocks(decode_log) == [tokens // 32 for tokens in
                                          (p["kvhelper_tokens"] for p in params)], \
         decode_log[-3000:]
+    assert result["token_ids"] == result["reference_token_ids"]
+
+
+def test_kv_both_instances_store_and_load(tiny_models, mooncake, tmp_path) -> None:
+    """Two kv_both instances: the first stores what it prefills; the second loads those pages
+    for the requests that carry prefill's parameters, and its own store of the same blocks
+    finds them all there already."""
+    model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-both")  # pages of its own
+    request = common("gqa", tiny_models, model)
+    params, prefill_log = prefill(tmp_path, request, mooncake, role="kv_both")
+    assert all(stored_blocks(prefill_log)), prefill_log[-3000:]
+    result, decode_log = decode(tmp_path, request, mooncake, params, reference=True,
+                                role="kv_both")
+    loaded = loaded_blocks(decode_log)
+    assert len(loaded) == len(PROMPTS) and all(loaded), decode_log[-3000:]
+    assert re.search(r"stored 0 KV blocks, [1-9]\d* already in the store", decode_log)
     assert result["token_ids"] == result["reference_token_ids"]
 
 
