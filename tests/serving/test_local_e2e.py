@@ -261,8 +261,10 @@ def test_a_killed_decode_leaves_the_pool_and_later_requests_succeed(served) -> N
                     or "error" in result, result
             print(f"{victim} left the pool {left_after:.1f}s after the kill; "
                   f"{sum('error' in r or r['status'] != 200 for r in results)} of 8 failed")
-            # The registration lease is 10 s; a loaded 2-core CI machine measured 33 s.
-            assert left_after <= 60
+            # The registration lease is 10 s: measured 7-9 s. (33 s was once measured here while
+            # busy-waiting instances starved the others under autogroup scheduling; see
+            # local/runner.py.) The margin is for a loaded 2-core CI machine.
+            assert left_after <= 25
 
             later = [await complete(session, served, 40 + i, False, False)
                      for i in range(4)]
