@@ -2,8 +2,8 @@
 store, keyed by vLLM's chained block hashes (so equal prefixes share pages) and namespaced by the
 layout fingerprint (so incompatible instances never read each other's pages).
 
-Producer (prefill): after the forward pass that completes a prompt, its full blocks are gathered
-block-major and stored (existing keys are skipped); `request_finished` tells the client, through
+Producer (prefill): after the forward pass that completes a prompt, its full blocks are stored,
+one value per block (existing keys are skipped); `request_finished` tells the client, through
 `kv_transfer_params`, how many tokens decode can load. Consumer (decode): for a request carrying
 those parameters, the full blocks are loaded into the blocks vLLM allocated before the forward
 pass; a page that cannot be read is reported per block so vLLM recomputes or fails, as its
