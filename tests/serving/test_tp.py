@@ -90,12 +90,8 @@ def shard_pieces(mover: PageMover, sharding: StoreSharding
                  ) -> tuple[int, dict[int, list[list[int]]]]:
     """Piece size, and for each of a rank's shards each block's piece addresses in its cache
     (whole pages when the rank holds one shard, as the connector does)."""
-    def heads(j: int) -> tuple[int, int] | None:
-        if sharding.local_shards == 1:
-            return None
-        return sharding.head_offset(j), sharding.heads_per_shard
-
-    return mover.piece_bytes(heads(0)), {shard: mover.block_spans(list(range(BLOCKS)), heads(j))
+    heads = sharding.piece_heads()
+    return mover.piece_bytes(heads[0]), {shard: mover.block_spans(list(range(BLOCKS)), heads[j])
                                          for j, shard in enumerate(sharding.shard_ids)}
 
 

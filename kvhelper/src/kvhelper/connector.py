@@ -252,7 +252,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                                             self.extra.get("store_tp_size"))
             if self._sharding.local_shards > 1:
                 try:
-                    self._mover.piece_bytes(self._heads(0))
+                    self._mover.piece_bytes(self._sharding.piece_heads()[0])
                 except LayoutError as err:
                     raise LayoutError(
                         f"store_tp_size {self._sharding.shards} splits each rank's pages into "
@@ -260,7 +260,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
                         f"store_tp_size to the TP size ({spec.tp_size}) on every instance"
                     ) from None
         self._store = MooncakeKVStore(self._config)
-        heads = [self._heads(i) for i in range(self._shards_per_block)]
+        heads = [None] if self._sharding is None else self._sharding.piece_heads()
         if self._transfer == "direct" or (self._transfer == "auto"
                                           and self._mover.device.type == "cpu"):
             self._io = DirectBlockIO(self._store, self._mover, heads)
@@ -276,13 +276,6 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     @property
     def _shards_per_block(self) -> int:
         return 1 if self._sharding is None else self._sharding.local_shards
-
-    def _heads(self, local_index: int) -> tuple[int, int] | None:
-        """The heads of this rank's `local_index`-th shard; None: the whole page."""
-        sharding = self._sharding
-        if sharding is None or sharding.local_shards == 1:
-            return None
-        return sharding.head_offset(local_index), sharding.heads_per_shard
 
     def _keys(self, hashes: list[str]) -> list[str]:
         """Store keys, block-major: each block's shards in order."""

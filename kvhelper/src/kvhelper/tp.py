@@ -59,6 +59,13 @@ class StoreSharding:
         """Where the rank's `local_index`-th shard starts among its own heads."""
         return local_index * self.heads_per_shard
 
+    def piece_heads(self) -> list[tuple[int, int] | None]:
+        """For each of the rank's shards, (first, count) of its heads in the rank's pages;
+        [None] when the rank holds one shard: its pages move whole."""
+        if self.local_shards == 1:
+            return [None]
+        return [(self.head_offset(i), self.heads_per_shard) for i in range(self.local_shards)]
+
 
 def effective_shards(total_heads: int, tp_size: int, requested: int | None) -> int:
     """The shard count an instance uses: `requested` (default: its TP size), capped at the
