@@ -115,3 +115,12 @@ def store(master: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[MooncakeKVSt
                                             local_hostname="127.0.0.1"))
     yield client
     client.close()
+
+
+@pytest.fixture(scope="module")
+def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real mooncake_master and a segment holder for one test module's engines."""
+    from .engines import store_service
+
+    with store_service(tmp_path_factory.mktemp("mooncake")) as service:
+        yield service.address

@@ -4,11 +4,14 @@
 REQUEST: {"model", "block_size", "prompts" (texts, or lists of token ids), "max_tokens",
           "max_model_len" (default 512), "kv_transfer_config" (or null),
           "kv_transfer_params" (list, one per prompt, or null),
-          "warm_prefix_cache" (optional: run the prompts once first, with prefix caching, so
-          the reported run reuses their cached full blocks; that first, cold run is reported
-          as "cold_token_ids"),
+          "warm_prefix_cache" (optional: run each prompt once first, from scratch, with prefix
+          caching, so the reported run reuses its cached full blocks; that first, cold run
+          is reported as "cold_token_ids"),
+          "prefix_caching" (optional: keep vLLM's prefix cache on, for MLA too),
           "tensor_parallel_size" (optional, default 1: with more, worker processes),
           "one_at_a_time" (optional: each prompt alone, not batched with the others),
+          "engine_args" (optional: more of vLLM's engine arguments, e.g. a small
+          num_gpu_blocks_override so that requests get preempted),
           "reference" (optional: afterwards, run the prompts again on this same engine without
           kv_transfer_params: what recomputing them gives here)}
 RESULT:  {"token_ids": [[...], ...], "finish_reasons": [...], "kv_transfer_params": [...],
@@ -62,7 +65,8 @@ def main() -> None:
         bind_workers(tp)
     from vllm import LLM, SamplingParams
 
-    if request.get("warm_prefix_cache"):
+    prefix_caching = bool(request.get("warm_prefix_cache") or request.get("prefix_caching"))
+    if prefix_caching:
         keep_prefix_caching_on()
     prompts = [p if isinstance(p, str) else {"prompt_token_ids": p}
                for p in request["prompts"]]
@@ -71,8 +75,7 @@ def main() -> None:
               distributed_executor_backend="uni" if tp == 1 else "mp",
               max_model_len=request.get("max_model_len", 512), **sizing,
               kv_transfer_config=request.get("kv_transfer_config"), seed=0,
-              enable_prefix_caching=bool(request.get("warm_prefix_cache")
-                                         or request.get("prefix_caching")))
+              enable_prefix_caching=prefix_caching, **request.get("engine_args", {}))
     params = request.get("kv_transfer_params") or [None] * len(prompts)
 
     def sampling(extra: dict[str, Any] | None) -> SamplingParams:
@@ -84,6 +87,9 @@ def main() -> None:
     outputs, cold = [], []
     for group in groups:
         if request.get("warm_prefix_cache"):
+            # From scratch, as a prefill instance computes it: not over another prompt's
+            # cached blocks (vLLM's CPU MLA kernels write slightly other latents that way).
+            llm.reset_prefix_cache()
             cold += llm.generate([prompts[i] for i in group], sampling(None))
         outputs += llm.generate([prompts[i] for i in group],
                                 [sampling(params[i]) for i in group])

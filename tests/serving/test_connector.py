@@ -4,26 +4,28 @@ process, against a real mooncake_master; a segment holder keeps the pages in bet
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from kvhelper.keys import block_key
-from kvhelper.master_process import MooncakeMaster
-from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
-from .conftest import in_private_network
+from .engines import (
+    decode,
+    fingerprint_in,
+    loaded_blocks,
+    prefill,
+    read_value,
+    run_engine,
+    store_client,
+    store_service,
+    stored_blocks,
+)
 
-HERE = Path(__file__).parent
 # Long enough for full blocks at every block size a CPU backend picks (up to 128).
 PROMPTS = [("the quick brown fox jumps over the lazy dog and the key value cache holds "
             "attention state for every token in the prompt ") * 9,
@@ -32,85 +34,8 @@ PROMPTS = [("the quick brown fox jumps over the lazy dog and the key value cache
 # A staging buffer of 3 blocks of the tiny GQA model (2 layers x 32 tokens x 512 bytes), so
 # that every prompt moves in several chunks.
 SMALL_STAGING = {"transfer": "staging", "staging_buffer_bytes": 100_000}
-# CPU attention wants multiples of 32 for K/V; for MLA the backend picks (16 without AMX,
-# 32 with it).
+# CPU attention wants multiples of 32 for K/V; vLLM 0.32's CPU MLA backend forces 16.
 BLOCK_SIZE = {"gqa": 32, "mla": None}
-
-
-class StoreService:
-    """A real mooncake_master plus a segment holder: the memory the pages live in between the
-    prefill and the decode engine (each engine runs, and exits, on its own)."""
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.master = MooncakeMaster(work / "master.log").start()
-        self.holder = self._start_holder()
-
-    @property
-    def address(self) -> str:
-        return self.master.address
-
-    def _start_holder(self) -> subprocess.Popen[str]:
-        env = {**os.environ, "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
-        holder = subprocess.Popen([sys.executable, str(HERE / "segment_holder.py"),
-                                   self.address, str(512 << 20)], stdout=subprocess.PIPE,
-                                  env=env, text=True)
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
-        return holder
-
-    def restart_master(self) -> None:
-        """Everything the master knew is gone; the holder mounts a fresh segment."""
-        self.holder.terminate()
-        self.holder.wait(10)
-        self.master.restart()
-        self.holder = self._start_holder()
-
-    def stop(self) -> None:
-        self.holder.terminate()
-        self.holder.wait(10)
-        self.master.stop()
-
-
-@contextmanager
-def store_service(work: Path) -> Iterator[StoreService]:
-    if not in_private_network():
-        pytest.fail("run in a network namespace (`make test` uses `unshare -n`)")
-    service = StoreService(work)
-    try:
-        yield service
-    finally:
-        service.stop()
-
-
-@pytest.fixture(scope="module")
-def mooncake(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with store_service(tmp_path_factory.mktemp("mooncake")) as service:
-        yield service.address
-
-
-def run_engine(tmp: Path, name: str, request: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    request_file, result_file, log = tmp / f"{name}.json", tmp / f"{name}.out", tmp / f"{name}.log"
-    request_file.write_text(json.dumps(request))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # see run_engine.py
-           "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "HF_HUB_OFFLINE": "1",
-           "VLLM_LOGGING_LEVEL": "INFO"}
-    with log.open("w") as out:
-        code = subprocess.run([sys.executable, str(HERE / "run_engine.py"), str(request_file),
-                               str(result_file)], stdout=out, stderr=subprocess.STDOUT,
-                              env=env, timeout=600).returncode
-    text = log.read_text()
-    assert code == 0, text[-4000:]
-    return json.loads(result_file.read_text()), text
-
-
-def connector_config(role: str, master: str) -> dict[str, Any]:
-    return {"kv_connector": "MooncakeStoreConnector",
-            "kv_connector_module_path": "kvhelper.connector", "kv_role": role,
-            "kv_connector_extra_config": {"master_server_address": master,
-                                          "local_hostname": "127.0.0.1",
-                                          "global_segment_size": 0,
-                                          "local_buffer_size": 64 << 20}}
 
 
 BaselineOf = Callable[[str], dict[str, Any]]
@@ -148,31 +73,6 @@ def common(kind: str, tiny_models: dict[str, Path], model: Path | None = None) -
             "prompts": PROMPTS, "one_at_a_time": True}
 
 
-def prefill(tmp: Path, request: dict[str, Any], master: str,
-            extra: dict[str, Any] | None = None, role: str = "kv_producer"
-            ) -> tuple[list[dict[str, Any]], str]:
-    config = connector_config(role, master)
-    config["kv_connector_extra_config"].update(extra or {})
-    result, log = run_engine(tmp, "prefill", {
-        **request, "max_tokens": 1, "kv_transfer_config": config,
-        "kv_transfer_params": [{"do_remote_decode": True}] * len(PROMPTS)})
-    params = result["kv_transfer_params"]
-    assert all(p and p["do_remote_prefill"] and p["kvhelper_tokens"] > 0 for p in params), params
-    return params, log
-
-
-def decode(tmp: Path, request: dict[str, Any], master: str, params: list[dict[str, Any]],
-           policy: str = "recompute", reference: bool = False,
-           load_async: bool = True, extra: dict[str, Any] | None = None,
-           role: str = "kv_consumer") -> tuple[dict[str, Any], str]:
-    """The decode engine's result; with `reference`, also the same prompts recomputed on it.
-    Loads are asynchronous unless `load_async` is False."""
-    config = {**connector_config(role, master), "kv_load_failure_policy": policy}
-    config["kv_connector_extra_config"].update({"load_async": load_async, **(extra or {})})
-    return run_engine(tmp, "decode", {**request, "max_tokens": 8, "kv_transfer_config": config,
-                                      "kv_transfer_params": params, "reference": reference})
-
-
 class Prefilled:
     """The prompts' KV stored by one prefill engine per model kind (run on first use): its
     kv_transfer_params, and the layout fingerprint that namespaces its pages."""
@@ -201,42 +101,6 @@ class Prefilled:
 @pytest.fixture(scope="module")
 def prefilled(tiny_models, mooncake, tmp_path_factory) -> Prefilled:
     return Prefilled(tiny_models, mooncake, tmp_path_factory)
-
-
-def fingerprint_in(log: str) -> str:
-    """The layout fingerprint a connector logged when it started."""
-    found = re.search(r"fingerprint ([0-9a-f]{16})", log)
-    assert found, log[-3000:]
-    return found[1]
-
-
-def loaded_blocks(log: str, mode: str = "async") -> list[int]:
-    """Blocks loaded per request, from the connector's log lines (async, or in the step)."""
-    return [int(m) for m in re.findall(rf"loaded (\d+) KV blocks .* \({mode}\)", log)]
-
-
-def stored_blocks(log: str) -> list[int]:
-    """Blocks stored per request and rank, from the connector's log lines."""
-    return [int(m) for m in re.findall(r"stored (\d+) KV blocks", log)]
-
-
-def read_value(client: MooncakeKVStore, key: str) -> torch.Tensor:
-    value = torch.empty(client.size(key), dtype=torch.uint8)
-    client.register(value)
-    assert not client.get([key], [value.data_ptr()], [value.numel()]), key
-    client.unregister(value)
-    return value
-
-
-@contextmanager
-def store_client(master: str) -> Iterator[MooncakeKVStore]:
-    client = MooncakeKVStore(MooncakeConfig(master_server_address=master,
-                                            global_segment_size=0, local_buffer_size=64 << 20,
-                                            local_hostname="127.0.0.1"))
-    try:
-        yield client
-    finally:
-        client.close()
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
@@ -313,7 +177,6 @@ def test_master_restart_between_prefill_and_decode_recomputes(tiny_models, tmp_p
         result, decode_log = decode(tmp_path, request, service.address, params, reference=True)
     assert "could not be loaded" in decode_log
     assert result["token_ids"] == result["reference_token_ids"]
-
 
 
 def test_gqa_tensor_parallel_ranks_store_and_load_their_own_heads(

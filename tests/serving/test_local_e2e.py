@@ -24,7 +24,7 @@ from disagg_operator.local.runner import LocalDeployment, RunFolder, stop_record
 from kvhelper.master_process import free_port
 
 from .conftest import in_private_network
-from .test_connector import run_engine
+from .engines import run_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 # Distinct prompts (a decode's own prefix cache would otherwise serve repeats), each a few

@@ -127,6 +127,10 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self._requests: dict[str, Request] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._loads: list[Transfer] = []
+        # Tokens of each request's local prefix-cache hit, as vLLM passed them when it asked
+        # what could be loaded: the load starts right after them. (Not the request's
+        # num_computed_tokens: vLLM sets that only after update_state_after_alloc.)
+        self._local_hits: dict[str, int] = {}
         self._saved_tokens: dict[str, int] = {}
         self._prefix_hashes: dict[str, str] = {}
         # Worker side
@@ -160,6 +164,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self.stats.count("requests_refused")
             return 0, False
         external = max(0, blocks * self.block_size - num_computed_tokens)
+        if external:
+            self._local_hits[request.request_id] = num_computed_tokens
         return external, self.load_async and external > 0
 
     def _compatible(self, request: Request, params: dict[str, Any], stored_blocks: int) -> bool:
@@ -184,9 +190,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = request
         block_ids = list(blocks.get_block_ids()[0])
         self._block_ids[request.request_id] = block_ids
+        local_hit = self._local_hits.pop(request.request_id, 0)
         if num_external_tokens <= 0:
             return
-        first = request.num_computed_tokens // self.block_size
+        # Never onto the locally cached blocks: those may be shared with other requests.
+        first = local_hit // self.block_size
         count = num_external_tokens // self.block_size
         hashes = [bytes(h).hex() for h in request.block_hashes[first:first + count]]
         self._loads.append(Transfer(request.request_id, hashes, block_ids[first:first + count]))
@@ -202,7 +210,11 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_ids = cached.new_block_ids[i]
-            if new_ids is not None and req_id in self._block_ids:
+            if new_ids is None or req_id not in self._block_ids:
+                continue
+            if req_id in cached.resumed_req_ids:  # preempted and resumed: all of its blocks
+                self._block_ids[req_id] = list(new_ids[0])
+            else:
                 self._block_ids[req_id].extend(new_ids[0])
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self._requests.get(req_id)
@@ -228,6 +240,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         req_id = request.request_id
         self._requests.pop(req_id, None)
         self._block_ids.pop(req_id, None)
+        self._local_hits.pop(req_id, None)
         saved = self._saved_tokens.pop(req_id, None)
         prefix_hash = self._prefix_hashes.pop(req_id, None)
         if not self.is_producer or saved is None:
