@@ -29,6 +29,7 @@ class FakeVLLM:
     fail_status: int | None = None  # answer every completion with this error status
     die_after_tokens: int | None = None  # drop the connection mid-stream
     healthy: bool = True
+    frozen: bool = False  # accept connections but never answer, as a stopped process
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)  # case-insensitive mappings
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -55,7 +56,12 @@ class FakeVLLM:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
+        await self._hang_while_frozen()
         return web.Response(status=200 if self.healthy else 503)
+
+    async def _hang_while_frozen(self) -> None:
+        while self.frozen:
+            await asyncio.sleep(0.05)
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
@@ -64,6 +70,7 @@ class FakeVLLM:
         body = await request.json()
         self.requests.append(body)
         self.headers.append(request.headers.copy())
+        await self._hang_while_frozen()
         if self.fail_status is not None:
             return web.json_response({"error": {"message": f"{self.name} refuses",
                                                 "type": "BadRequestError",

@@ -105,7 +105,11 @@ async def test_decode_dying_mid_stream_ends_the_stream_with_an_error(backends, s
     events = [line.removeprefix("data: ") for line in raw.decode().split("\n\n") if line]
     assert "t1" in events[1] and "[DONE]" not in events
     assert json.loads(events[-1])["error"]["code"] == 502  # the stream's last event
+    # The dropped stream ejected the only decode instance: nothing is left to serve.
     status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    assert status == 503, raw
+    fresh = await start_proxy([prefill.url], [decode.url])
+    status, _, raw = await post(f"{fresh}/v1/completions", {"prompt": "x"})
     assert status == 502 and "decode instance" in json.loads(raw)["error"]["message"]
 
 
@@ -231,3 +235,111 @@ def test_flags_come_from_the_environment_too(monkeypatch) -> None:
     args = parse_args(["--routing", "least-outstanding"])
     assert args.prefill == ["p1:8000", "p2:8000"] and args.decode == ["d1:8000"]
     assert args.decode_timeout == 900.0 and args.routing == "least-outstanding"
+
+
+def test_least_outstanding_breaks_ties_in_turn() -> None:
+    pool = Pool(routing="least-outstanding")
+    pool.update({name: Instance(id=name, role="decode", url=f"http://{name}", model="m")
+                 for name in ("a", "b", "c")})
+    assert [pool.pick("decode").url for _ in range(6)] == ["http://a", "http://b", "http://c"] * 2
+    pool.backends["b"].outstanding = 1
+    assert {pool.pick("decode").url for _ in range(4)} == {"http://a", "http://c"}
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "least-outstanding"])
+async def test_a_dead_decode_costs_no_client_request(backends, start_proxy, routing):
+    """A decode instance that refuses connections is retried elsewhere and ejected at once,
+    without waiting for a health check (the interval here is a minute)."""
+    prefill, live = await backends("p0"), await backends("d0")
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = await start_proxy([prefill.url], [dead, live.url], routing=routing)
+    for _ in range(6):
+        status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+        assert status == 200, raw
+    assert len(live.requests) == 6
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy}/instances") as got:
+        assert {i["url"]: i["healthy"] for i in await got.json()}[dead] is False
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy}/metrics") as got:
+        assert 'disagg_proxy_retries_total{phase="decode"} 1.0' in await got.text()
+
+
+@pytest.mark.parametrize("failure", ["503", "closed"])
+async def test_decode_failing_before_its_first_byte_is_retried_with_the_same_kv_params(
+        backends, start_proxy, failure):
+    prefill = await backends("p0")
+    failing = await backends("d0", **({"fail_status": 503} if failure == "503"
+                                      else {"die_after_tokens": 0}))
+    good = await backends("d1")
+    proxy = await start_proxy([prefill.url], [failing.url, good.url])
+    for stream in (False, True):
+        status, _, raw = await post(f"{proxy}/v1/completions",
+                                    {"prompt": "x", "stream": stream, "max_tokens": 4})
+        assert status == 200, raw
+        assert b"d1" in raw or b"t3" in raw
+    assert len(failing.requests) >= 1 and len(good.requests) == 2
+    assert failing.requests[0]["kv_transfer_params"] == good.requests[0]["kv_transfer_params"]
+
+
+async def test_a_frozen_decode_is_given_up_after_the_first_byte_limit(backends, start_proxy):
+    prefill = await backends("p0")
+    frozen, good = await backends("d0", frozen=True), await backends("d1")
+    proxy = await start_proxy([prefill.url], [frozen.url, good.url],
+                              decode_first_byte_timeout=0.5)
+    started = asyncio.get_running_loop().time()
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x", "stream": True})
+    waited = asyncio.get_running_loop().time() - started
+    assert status == 200 and b"[DONE]" in raw, raw
+    assert len(frozen.requests) == 1 and len(good.requests) == 1
+    assert waited < 3, waited  # the first-byte limit plus one retry, not the silence limit
+
+
+async def test_an_ejected_decode_gives_up_its_waiting_requests(backends, start_proxy):
+    """A non-streaming request has no first-byte limit (its answer comes whole), but when a
+    health check ejects the frozen instance, its waiting requests go to another one."""
+    prefill = await backends("p0")
+    frozen, good = await backends("d0", frozen=True), await backends("d1")
+    proxy = await start_proxy([prefill.url], [frozen.url, good.url], health_interval=0.2,
+                              health_timeout=0.1, eject_after=1)
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    assert status == 200 and b"d1" in raw, raw
+    assert len(frozen.requests) == 1
+
+
+async def test_no_prefill_is_spent_on_a_request_no_decode_can_take(backends, start_proxy):
+    prefill = await backends("p0")
+    unhealthy = await backends("d0", healthy=False)
+    proxy = await start_proxy([prefill.url], [unhealthy.url], health_interval=0.1,
+                              eject_after=1)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):  # until the health check ejected the only decode instance
+            async with session.get(f"{proxy}/instances") as got:
+                if not {i["url"]: i["healthy"] for i in await got.json()}[unhealthy.url]:
+                    break
+            await asyncio.sleep(0.05)
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    assert status == 503 and "no healthy decode" in json.loads(raw)["error"]["message"]
+    fine = await start_proxy([prefill.url], [(await backends("d1")).url])
+    for body, field in (({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+                        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+                        ({"max_tokens": 3}, "prompt")):
+        status, _, raw = await post(f"{fine}/v1/completions", body)
+        assert status == 400 and f"`{field}`" in json.loads(raw)["error"]["message"], raw
+    status, _, raw = await post(f"{fine}/v1/chat/completions", {"messages": []})
+    assert status == 400 and "`messages`" in json.loads(raw)["error"]["message"]
+    assert prefill.requests == []
+
+
+async def test_method_not_allowed_names_the_allowed_methods_and_silence_is_a_timeout(
+        backends, start_proxy):
+    prefill = await backends("p0")
+    slow = await backends("d0", tokens=5, token_delay=2.0)
+    proxy = await start_proxy([prefill.url], [slow.url], decode_timeout=0.3)
+    async with aiohttp.ClientSession() as session, session.get(
+            f"{proxy}/v1/completions") as response:
+        assert response.status == 405 and "POST" in response.headers["Allow"]
+    # Silence after the first token: the stream's error event says 504 timeout, as the same
+    # silence before the headers does.
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x", "stream": True})
+    events = [line.removeprefix("data: ") for line in raw.decode().split("\n\n") if line]
+    assert status == 200 and json.loads(events[-1])["error"]["code"] == 504, events
+    assert json.loads(events[-1])["error"]["type"] == "timeout"

@@ -44,10 +44,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--prefill-timeout", type=float, default=_env("prefill-timeout", 300.0))
     add("--decode-timeout", type=float, default=_env("decode-timeout", 600.0),
         help="longest silence while decode streams")
+    add("--decode-first-byte-timeout", type=float,
+        default=_env("decode-first-byte-timeout", 60.0),
+        help="longest wait for a stream's first byte; then another decode instance is tried")
+    add("--prefill-attempts", type=int, default=_env("prefill-attempts", 2),
+        help="prefill instances tried per request when one fails before answering")
+    add("--decode-attempts", type=int, default=_env("decode-attempts", 3),
+        help="decode instances tried per request when one fails before its first byte")
     add("--max-body-bytes", type=int, default=_env("max-body-bytes", 4 * 2**20))
     add("--max-concurrency", type=int, default=_env("max-concurrency", 256))
     add("--health-interval", type=float, default=_env("health-interval", 5.0))
-    add("--eject-after", type=int, default=_env("eject-after", 2))
+    add("--health-timeout", type=float, default=_env("health-timeout", 2.0),
+        help="one health check's limit; shorter than --health-interval")
+    add("--eject-after", type=int, default=_env("eject-after", 2),
+        help="failed health checks, or failed requests, in a row that eject an instance")
     args = parser.parse_args(argv)
     if bool(args.etcd) == bool(args.prefill or args.decode):
         parser.error("give either --etcd with --prefix, or --prefill and --decode lists")
@@ -60,19 +70,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.etcd_endpoints = split_endpoints(args.etcd)
         except ValueError as err:
             parser.error(f"--etcd: {err}")
+    try:
+        args.config = config(args)
+    except ValueError as err:
+        parser.error(str(err).replace("_", "-"))
     return args
 
 
+def config(args: argparse.Namespace) -> ProxyConfig:
+    return ProxyConfig(routing=args.routing, connect_timeout=args.connect_timeout,
+                       prefill_timeout=args.prefill_timeout, decode_timeout=args.decode_timeout,
+                       decode_first_byte_timeout=args.decode_first_byte_timeout,
+                       prefill_attempts=args.prefill_attempts,
+                       decode_attempts=args.decode_attempts, max_body_bytes=args.max_body_bytes,
+                       max_concurrency=args.max_concurrency,
+                       health_interval=args.health_interval, health_timeout=args.health_timeout,
+                       eject_after=args.eject_after)
+
+
 def build(args: argparse.Namespace) -> Proxy:
-    config = ProxyConfig(routing=args.routing, connect_timeout=args.connect_timeout,
-                         prefill_timeout=args.prefill_timeout,
-                         decode_timeout=args.decode_timeout, max_body_bytes=args.max_body_bytes,
-                         max_concurrency=args.max_concurrency,
-                         health_interval=args.health_interval, eject_after=args.eject_after)
     discovery: StaticDiscovery | EtcdDiscovery = (
         EtcdDiscovery(args.etcd_endpoints, args.prefix) if args.etcd
         else StaticDiscovery(args.prefill, args.decode))
-    return Proxy(config, discovery)
+    return Proxy(args.config, discovery)
 
 
 def main(argv: list[str] | None = None) -> None:

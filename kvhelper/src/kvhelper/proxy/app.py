@@ -40,16 +40,34 @@ _encode_json = msgspec.json.Encoder().encode
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
+# An instance answering these may be down or overloaded: another instance is tried.
+RETRIED_STATUSES = frozenset({500, 502, 503, 504})
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     routing: Routing = "round-robin"
     connect_timeout: float = 5.0
     prefill_timeout: float = 300.0  # the whole prefill request
     decode_timeout: float = 600.0  # longest silence while decode streams
+    # A stream's wait for decode's first byte (loading KV, queueing, the first token); then
+    # the request goes to another decode instance.
+    decode_first_byte_timeout: float = 60.0
+    prefill_attempts: int = 2  # instances tried per request, when one fails before answering
+    decode_attempts: int = 3
     max_body_bytes: int = 4 * 2**20
     max_concurrency: int = 256
     health_interval: float = 5.0
+    health_timeout: float = 2.0  # one health check; shorter than the interval
     eject_after: int = 2
+
+    def __post_init__(self) -> None:
+        if not 0 < self.health_timeout < self.health_interval:
+            raise ValueError(f"health_timeout ({self.health_timeout:g}s) must be shorter than "
+                             f"health_interval ({self.health_interval:g}s)")
+        for name in ("prefill_attempts", "decode_attempts", "eject_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
 
 
 class ProxyError(Exception):
@@ -59,6 +77,14 @@ class ProxyError(Exception):
 
     def response(self, request_id: str) -> web.Response:
         return error_response(self.status, self.message, self.kind, request_id)
+
+
+class AttemptFailed(Exception):
+    """An instance failed before anything reached the client: another one may serve it."""
+
+    def __init__(self, error: ProxyError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 def error_response(status: int, message: str, kind: str, request_id: str = "") -> web.Response:
@@ -91,6 +117,9 @@ class Metrics:
         self.upstream_errors = Counter("disagg_proxy_upstream_errors_total",
                                        "Failed calls to instances.", ["phase", "reason"],
                                        registry=self.registry)
+        self.retries = Counter("disagg_proxy_retries_total",
+                               "Requests sent to another instance after one failed.",
+                               ["phase"], registry=self.registry)
         self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def finished(self, endpoint: str, code: int, seconds: float) -> None:
@@ -155,7 +184,7 @@ class Proxy:
             await self._session.close()
 
     async def _health_loop(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.health_interval))
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while not self._stop.is_set():
                 await self.pool.check_health(session)
@@ -187,8 +216,11 @@ class Proxy:
             return err.response(request_id)
         except web.HTTPException as err:
             code = err.status
-            return error_response(err.status, err.reason, "invalid_request_error"
-                                  if err.status < 500 else "server_error", request_id)
+            response = error_response(err.status, err.reason, "invalid_request_error"
+                                      if err.status < 500 else "server_error", request_id)
+            if "Allow" in err.headers:  # a 405 says which methods the path takes (RFC 9110)
+                response.headers["Allow"] = err.headers["Allow"]
+            return response
         finally:
             self.metrics.finished(endpoint, code, time.perf_counter() - started)
 
@@ -197,6 +229,7 @@ class Proxy:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         request_id = request[REQUEST_ID_KEY]
         body = await _json_object(request)
+        _check_completion(request.path, body)
         if self._slots.locked():
             raise ProxyError(429, "the proxy is at its concurrency limit; retry later",
                              "rate_limit_error")
@@ -205,104 +238,201 @@ class Proxy:
             decode_body = dict(body)
             if kv_params is not None:
                 decode_body["kv_transfer_params"] = kv_params
-            decode_backend = self.pool.pick("decode", prefill_backend.instance.fingerprint)
-            if decode_backend is None:
-                raise ProxyError(503, "no healthy decode instance compatible with prefill "
-                                 f"instance {prefill_backend.url}", "service_unavailable")
-            return await self._decode(request, decode_backend, decode_body, request_id)
+            return await self._decode(request, prefill_backend, decode_body, request_id)
 
     async def _prefill(self, path: str, body: dict[str, Any],
                        request_id: str) -> tuple[Backend, Any]:
+        """Prefill on an instance that some healthy decode instance can pair with (no prefill
+        is spent on a request no decode instance could take); an instance that fails before
+        answering is given up for another, up to `prefill_attempts` in all."""
+        decodable = self.pool.fingerprints("decode")
+        if not decodable:
+            raise ProxyError(503, "no healthy decode instance", "service_unavailable")
         tried: list[Backend] = []
+        last: ProxyError | None = None
         started = time.perf_counter()
-        for _attempt in range(2):  # a refused connection is retried once on another instance
-            backend = self.pool.pick("prefill", exclude=tried)
+        for _attempt in range(self.config.prefill_attempts):
+            backend = self.pool.pick("prefill", exclude=tried, fingerprints=decodable)
             if backend is None:
                 break
+            if tried:
+                self.metrics.retries.labels("prefill").inc()
             tried.append(backend)
-            backend.outstanding += 1
             try:
-                async with self.session.post(f"{backend.url}{path}",
-                                             data=_encode_json(prefill_request(body)),
-                                             headers={**JSON_HEADERS, REQUEST_ID: request_id},
-                                             timeout=self._prefill_timeout) as response:
-                    raw = await response.read()
-                    if response.status != 200:
-                        self.metrics.upstream_errors.labels("prefill", str(response.status)).inc()
-                        raise _upstream_error(response.status, raw, "prefill")
-                    self._prefill_seconds.observe(time.perf_counter() - started)
-                    data = _parse(raw)
-                    return backend, data.get("kv_transfer_params")
-            except aiohttp.ClientConnectorError as err:
-                self.metrics.upstream_errors.labels("prefill", "connect").inc()
-                log.warning("[%s] prefill %s refused the connection: %s", request_id,
-                            backend.url, err)
+                params = await self._prefill_on(backend, path, body, request_id)
+            except AttemptFailed as failed:
+                log.warning("[%s] %s; trying another prefill instance", request_id,
+                            failed.error.message)
+                last = failed.error
                 continue
-            except TimeoutError:
-                self.metrics.upstream_errors.labels("prefill", "timeout").inc()
-                raise ProxyError(504, f"prefill instance {backend.url} did not answer within "
-                                 f"{self.config.prefill_timeout:g}s", "timeout") from None
-            except aiohttp.ClientError as err:
-                self.metrics.upstream_errors.labels("prefill", "transport").inc()
-                raise ProxyError(502, f"prefill instance {backend.url} failed: {err}",
-                                 "bad_gateway") from None
-            finally:
-                backend.outstanding -= 1
-        if tried:
-            raise ProxyError(502, "prefill instances refused the connection: "
-                             + ", ".join(b.url for b in tried), "bad_gateway")
+            self._prefill_seconds.observe(time.perf_counter() - started)
+            return backend, params
+        if last is not None:
+            raise last
+        if self.pool.fingerprints("prefill"):
+            raise ProxyError(503, "no healthy prefill instance is compatible with a healthy "
+                             "decode instance (their KV fingerprints differ)",
+                             "service_unavailable")
         raise ProxyError(503, "no healthy prefill instance", "service_unavailable")
 
-    async def _decode(self, request: web.Request, backend: Backend, body: dict[str, Any],
-                      request_id: str) -> web.StreamResponse:
-        started = time.perf_counter()
+    async def _prefill_on(self, backend: Backend, path: str, body: dict[str, Any],
+                          request_id: str) -> Any:
+        """One prefill attempt: decode's kv_transfer_params, or AttemptFailed when another
+        instance could still serve the request, or the ProxyError to give the client."""
         backend.outstanding += 1
-        streaming: web.StreamResponse | None = None
         try:
-            async with self.session.post(f"{backend.url}{request.path}", data=_encode_json(body),
+            async with self.session.post(f"{backend.url}{path}",
+                                         data=_encode_json(prefill_request(body)),
                                          headers={**JSON_HEADERS, REQUEST_ID: request_id},
-                                         timeout=self._decode_timeout) as upstream:
-                if upstream.status != 200:
-                    self.metrics.upstream_errors.labels("decode", str(upstream.status)).inc()
-                    raise _upstream_error(upstream.status, await upstream.read(), "decode")
-                headers = {REQUEST_ID: request_id,
-                           "Content-Type": upstream.headers.get("Content-Type",
-                                                                "application/json")}
-                if not body.get("stream"):
-                    raw = await upstream.read()
-                    self._decode_seconds.observe(time.perf_counter() - started)
-                    return web.Response(body=raw, status=200, headers=headers)
-                streaming = web.StreamResponse(status=200, headers=headers)
-                await streaming.prepare(request)
-                first = True
-                async for chunk in upstream.content.iter_any():
-                    if first:
-                        self._decode_seconds.observe(time.perf_counter() - started)
-                        first = False
-                    await streaming.write(chunk)
-                await streaming.write_eof()
-                return streaming
+                                         timeout=self._prefill_timeout) as response:
+                raw = await response.read()
+                if response.status != 200:
+                    self.metrics.upstream_errors.labels("prefill", str(response.status)).inc()
+                    error = _upstream_error(response.status, raw, "prefill")
+                    if response.status in RETRIED_STATUSES:
+                        self.pool.request_failed(backend, f"prefill answered {response.status}")
+                        raise AttemptFailed(error)
+                    raise error
+                self.pool.request_succeeded(backend)
+                return _parse(raw).get("kv_transfer_params")
+        except TimeoutError:  # not retried: another instance would take as long again
+            self.metrics.upstream_errors.labels("prefill", "timeout").inc()
+            self.pool.request_failed(backend, "prefill timed out")
+            raise ProxyError(504, f"prefill instance {backend.url} did not answer within "
+                             f"{self.config.prefill_timeout:g}s", "timeout") from None
         except aiohttp.ClientConnectorError as err:
-            self.metrics.upstream_errors.labels("decode", "connect").inc()
-            raise ProxyError(502, f"decode instance {backend.url} refused the connection: {err}",
-                             "bad_gateway") from None
-        except (TimeoutError, aiohttp.ClientError) as err:
-            reason = "timeout" if isinstance(err, TimeoutError) else "transport"
-            self.metrics.upstream_errors.labels("decode", reason).inc()
-            message = (f"decode instance {backend.url} went silent for "
-                       f"{self.config.decode_timeout:g}s" if reason == "timeout"
-                       else f"decode instance {backend.url} failed: {err}")
-            if streaming is not None and streaming.prepared:
-                # Headers are gone: end the stream with an error event the client can see.
-                event = {"error": {"message": message, "type": "bad_gateway", "code": 502}}
-                with contextlib.suppress(ConnectionError):
-                    await streaming.write(b"data: " + _encode_json(event) + b"\n\n")
-                    await streaming.write_eof()
-                return streaming
-            raise ProxyError(504 if reason == "timeout" else 502, message,
-                             reason if reason == "timeout" else "bad_gateway") from None
+            raise self._unreachable(backend, "prefill", "connect",
+                                    f"refused the connection: {err}") from None
+        except aiohttp.ClientError as err:
+            raise self._unreachable(backend, "prefill", "transport", f"failed: {err}") from None
         finally:
             backend.outstanding -= 1
+
+    def _unreachable(self, backend: Backend, phase: str, reason: str,
+                     what: str) -> AttemptFailed:
+        """An instance that refused or dropped the connection: out of the pool at once."""
+        self.metrics.upstream_errors.labels(phase, reason).inc()
+        self.pool.request_failed(backend, f"{phase} {what}", eject_now=True)
+        return AttemptFailed(ProxyError(502, f"{phase} instance {backend.url} {what}",
+                                        "bad_gateway"))
+
+    async def _decode(self, request: web.Request, prefill_backend: Backend,
+                      body: dict[str, Any], request_id: str) -> web.StreamResponse:
+        """Decode on a compatible instance. An attempt that fails before any byte reached the
+        client is retried on another compatible instance with the same kv_transfer_params (the
+        pages stay in the store), up to `decode_attempts` in all."""
+        fingerprint = prefill_backend.instance.fingerprint
+        tried: list[Backend] = []
+        last: ProxyError | None = None
+        for _attempt in range(self.config.decode_attempts):
+            backend = self.pool.pick("decode", fingerprint, exclude=tried)
+            if backend is None:
+                break
+            if tried:
+                self.metrics.retries.labels("decode").inc()
+            tried.append(backend)
+            try:
+                return await self._decode_on(request, backend, body, request_id)
+            except AttemptFailed as failed:
+                log.warning("[%s] %s; trying another decode instance", request_id,
+                            failed.error.message)
+                last = failed.error
+        if last is not None:
+            raise last
+        raise ProxyError(503, "no healthy decode instance compatible with prefill instance "
+                         f"{prefill_backend.url}", "service_unavailable")
+
+    async def _decode_on(self, request: web.Request, backend: Backend, body: dict[str, Any],
+                         request_id: str) -> web.StreamResponse:
+        """One decode attempt. Until its first byte, a stream waits at most
+        `decode_first_byte_timeout`, and any request is given up when its instance is ejected:
+        both are AttemptFailed, since nothing reached the client yet."""
+        started = time.perf_counter()
+        streaming = bool(body.get("stream"))
+        backend.outstanding += 1
+        upstream: aiohttp.ClientResponse | None = None
+        finished = False
+        try:
+            try:
+                async with backend.deadline(self.config.decode_first_byte_timeout
+                                            if streaming else None):
+                    upstream = await self.session.post(
+                        f"{backend.url}{request.path}", data=_encode_json(body),
+                        headers={**JSON_HEADERS, REQUEST_ID: request_id},
+                        timeout=self._decode_timeout)
+                    if upstream.status != 200:
+                        raise self._decode_refused(backend, upstream.status,
+                                                   await upstream.read())
+                    first = (await upstream.content.readany() if streaming
+                             else await upstream.read())
+            except TimeoutError:
+                self.metrics.upstream_errors.labels("decode", "first_byte").inc()
+                waited = time.perf_counter() - started
+                why = ("was ejected" if not backend.healthy
+                       else f"sent nothing within {waited:.3g}s")
+                self.pool.request_failed(backend, f"decode {why}")
+                raise AttemptFailed(ProxyError(504, f"decode instance {backend.url} {why}",
+                                               "timeout")) from None
+            except aiohttp.ClientConnectorError as err:
+                raise self._unreachable(backend, "decode", "connect",
+                                        f"refused the connection: {err}") from None
+            except aiohttp.ClientError as err:
+                raise self._unreachable(backend, "decode", "transport",
+                                        f"failed: {err}") from None
+            self._decode_seconds.observe(time.perf_counter() - started)
+            self.pool.request_succeeded(backend)
+            headers = {REQUEST_ID: request_id,
+                       "Content-Type": upstream.headers.get("Content-Type", "application/json")}
+            if not streaming:
+                finished = True
+                return web.Response(body=first, status=200, headers=headers)
+            response = web.StreamResponse(status=200, headers=headers)
+            await response.prepare(request)
+            try:
+                async with backend.deadline(None):  # ends early if the instance is ejected
+                    chunk = first
+                    while chunk:
+                        await response.write(chunk)
+                        chunk = await upstream.content.readany()
+                finished = True
+            except (TimeoutError, aiohttp.ClientError) as err:
+                # Bytes reached the client: no retry. End the stream with an error event of
+                # the status the same failure gets before the headers.
+                error = self._decode_broke(backend, err)
+                event = {"error": {"message": error.message, "type": error.kind,
+                                   "code": error.status}}
+                with contextlib.suppress(ConnectionError):
+                    await response.write(b"data: " + _encode_json(event) + b"\n\n")
+            with contextlib.suppress(ConnectionError):
+                await response.write_eof()
+            return response
+        finally:
+            backend.outstanding -= 1
+            if upstream is not None:  # an unfinished answer closes the connection: vLLM aborts
+                upstream.release() if finished else upstream.close()
+
+    def _decode_refused(self, backend: Backend, status: int, raw: bytes) -> Exception:
+        self.metrics.upstream_errors.labels("decode", str(status)).inc()
+        error = _upstream_error(status, raw, "decode")
+        if status in RETRIED_STATUSES:
+            self.pool.request_failed(backend, f"decode answered {status}")
+            return AttemptFailed(error)
+        return error
+
+    def _decode_broke(self, backend: Backend, err: Exception) -> ProxyError:
+        """A stream that broke after its first byte."""
+        if isinstance(err, TimeoutError) and not backend.healthy:
+            self.metrics.upstream_errors.labels("decode", "ejected").inc()
+            return ProxyError(502, f"decode instance {backend.url} was ejected while this "
+                              "stream was under way", "bad_gateway")
+        if isinstance(err, TimeoutError):
+            self.metrics.upstream_errors.labels("decode", "timeout").inc()
+            self.pool.request_failed(backend, "decode went silent")
+            return ProxyError(504, f"decode instance {backend.url} went silent for "
+                              f"{self.config.decode_timeout:g}s", "timeout")
+        self.metrics.upstream_errors.labels("decode", "transport").inc()
+        self.pool.request_failed(backend, "decode dropped a stream", eject_now=True)
+        return ProxyError(502, f"decode instance {backend.url} failed: {err}", "bad_gateway")
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         backend = self.pool.pick("decode") or self.pool.pick("prefill")
@@ -347,6 +477,23 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     if "stream" in body and not isinstance(body["stream"], bool):
         raise ProxyError(400, "`stream` must be true or false", "invalid_request_error")
     return body
+
+
+def _check_completion(path: str, body: dict[str, Any]) -> None:
+    """Refuse, before any instance spends work on it, what vLLM would refuse anyway."""
+    def bad(message: str) -> ProxyError:
+        return ProxyError(400, message, "invalid_request_error")
+
+    if path.endswith("/chat/completions"):
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise bad("`messages` must be a non-empty list of chat messages")
+    elif not isinstance(body.get("prompt"), str | list):
+        raise bad("`prompt` is required: a string, or a list of strings or token ids")
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise bad(f"`{field}` must be a whole number of at least 1, not {value!r}")
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

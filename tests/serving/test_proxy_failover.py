@@ -1,0 +1,37 @@
+"""The kill/freeze benchmark (benchmarks/proxy_failover.py), short: with one of three decode
+instances killed or frozen under load, no request that had not started streaming fails, under
+either routing policy, and no client waits for its first token longer than the first-byte limit
+plus one retry. Real proxy process, stand-in backends (processes of their own)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+FIRST_BYTE_LIMIT = 1.0
+
+
+def benchmark() -> ModuleType:
+    path = Path(__file__).parents[2] / "benchmarks" / "proxy_failover.py"
+    spec = importlib.util.spec_from_file_location("proxy_failover", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look themselves up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("scenario", ["kill", "freeze"])
+@pytest.mark.parametrize("routing", ["round-robin", "least-outstanding"])
+def test_one_failed_decode_costs_no_request_the_proxy_could_save(scenario, routing) -> None:
+    result = benchmark().run(scenario, routing, seconds=4.0, event_at=1.0, concurrency=8,
+                             tokens=8, token_delay=0.02,
+                             proxy_args=["--decode-first-byte-timeout", str(FIRST_BYTE_LIMIT),
+                                         "--health-interval", "1", "--health-timeout", "0.5"])
+    assert len(result.outcomes) > 50  # the load ran, before and after the failure
+    assert result.failed_before_streaming == 0, [o.detail for o in result.outcomes if not o.ok]
+    assert result.longest_first_token_wait < FIRST_BYTE_LIMIT + 1.0
