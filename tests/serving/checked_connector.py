@@ -26,9 +26,10 @@ class MooncakeStoreConnector(_Connector):
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        before = len(self._loads)
+        loads = self.scheduler._loads  # what the scheduler side will send the workers
+        before = len(loads)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if len(self._loads) == before:
+        if len(loads) == before:
             return
         req_id, local_tokens, load_async = self._probe
         assert req_id == request.request_id  # vLLM allocates right after asking
@@ -36,11 +37,11 @@ class MooncakeStoreConnector(_Connector):
         record = {"request": req_id, "num_external_tokens": num_external_tokens,
                   "block_ids": [block.block_id for block in own],
                   "local_hit_block_ids": [block.block_id for block in
-                                          own[:local_tokens // self.block_size]],
+                                          own[:local_tokens // self.scheduler.block_size]],
                   "hashed_block_ids": [block.block_id for block in own
                                        if block.block_hash is not None],
                   "load_async": load_async,
-                  "loaded_block_ids": list(self._loads[-1].block_ids)}
+                  "loaded_block_ids": list(loads[-1].block_ids)}
         _record(record)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:

@@ -1,7 +1,8 @@
 """Run one vLLM CPU engine in its own process for the connector tests; JSON in, JSON out.
 
     python run_engine.py REQUEST.json RESULT.json
-REQUEST: {"model", "block_size", "prompts" (texts, or lists of token ids), "max_tokens",
+REQUEST: {"model", "block_size", "prompts" (texts, lists of token ids, or vLLM prompt dicts such
+          as {"prompt_token_ids": [...], "cache_salt": "..."}), "max_tokens",
           "max_model_len" (default 512), "kv_transfer_config" (or null),
           "kv_transfer_params" (list, one per prompt, or null),
           "warm_prefix_cache" (optional: run each prompt once first, from scratch, with prefix
@@ -68,7 +69,7 @@ def main() -> None:
     prefix_caching = bool(request.get("warm_prefix_cache") or request.get("prefix_caching"))
     if prefix_caching:
         keep_prefix_caching_on()
-    prompts = [p if isinstance(p, str) else {"prompt_token_ids": p}
+    prompts = [p if isinstance(p, str | dict) else {"prompt_token_ids": p}
                for p in request["prompts"]]
     sizing = {"block_size": request["block_size"]} if request.get("block_size") else {}
     llm = LLM(model=request["model"], enforce_eager=True, tensor_parallel_size=tp,

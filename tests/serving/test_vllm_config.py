@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 from kvhelper.compat import IncompatibleConfig, identity
+from kvhelper.connector.settings import ConnectorSettings, SettingsError
 from kvhelper.layout import ModelKVSpec
-from vllm.config import KVTransferConfig
 from vllm.engine.arg_utils import EngineArgs
 
 
@@ -29,14 +29,9 @@ def test_settings_that_can_never_share_pages_are_refused_at_start(
     config = EngineArgs(model=str(tiny_models["gqa"]), enforce_eager=True, max_model_len=512,
                         block_size=16).create_engine_config()
     assert identity(config)["store_tp_size"] == 1  # K/V pages: one head shard (TP 1)
-    config.kv_transfer_config = KVTransferConfig(
-        kv_connector="MooncakeStoreConnector", kv_role="kv_both",
-        kv_connector_extra_config={"store_tp_size": 2})
-    assert identity(config)["store_tp_size"] == 2
-    config.kv_transfer_config.kv_connector_extra_config["store_tp_size"] = "2"
-    with pytest.raises(IncompatibleConfig, match="store_tp_size must be a positive integer"):
-        identity(config)
-    config.kv_transfer_config = None
+    assert identity(config, store_tp_size=2)["store_tp_size"] == 2
+    with pytest.raises(SettingsError, match="store_tp_size must be a positive integer"):
+        ConnectorSettings.parse({"store_tp_size": "2"})
     config.parallel_config.pipeline_parallel_size = 2
     with pytest.raises(IncompatibleConfig, match="pipeline_parallel_size=2"):
         identity(config)

@@ -1,7 +1,7 @@
 """Moving a request's block values between the KV cache and the Mooncake store.
 
 One store value per block, or per block and head shard (`kvhelper.tp`): the pages of that block
-in every layer. Keys come block-major: each block's shards in order. Two ways:
+in every layer. Keys come block-major, each block's shards in order (`value_keys`). Two ways:
 
 - `DirectBlockIO` (host caches: vLLM's CPU build): Mooncake reads and writes each value straight
   from the cache, one piece per layer (and region) of the block. The whole cache is registered.
@@ -18,8 +18,10 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from kvhelper.keys import block_key
 from kvhelper.pages import PageMover
 from kvhelper.store import MooncakeKVStore, PutResult
+from kvhelper.tp import StoreSharding
 
 Heads = tuple[int, int] | None  # (first, count) of a rank's heads; None: the whole page
 Spans = tuple[list[list[int]], int]  # each key's piece addresses, and the bytes of every piece
@@ -29,7 +31,45 @@ DEFAULT_STAGING_BYTES = 256 << 20
 DEVICE_BUFFER_BYTES = 32 << 20
 
 
-class DirectBlockIO:
+def value_keys(fingerprint: str, hashes: Sequence[str], sharding: StoreSharding | None
+               ) -> list[str]:
+    """The store keys of blocks' values, in the order every method here takes them:
+    block-major, each block's shards in order (`sharding` None: one rank-agnostic value)."""
+    if sharding is None:
+        return [block_key(fingerprint, h) for h in hashes]
+    return [block_key(fingerprint, h, (sharding.shards, shard))
+            for h in hashes for shard in sharding.shard_ids]
+
+
+def block_value_keys(fingerprint: str, hashes: Sequence[str], shards: int | None
+                     ) -> list[list[str]]:
+    """Per block, the keys of every value an instance of this layout needs to load it: the
+    one rank-agnostic value (`shards` None), or every head shard."""
+    if shards is None:
+        return [[block_key(fingerprint, h)] for h in hashes]
+    return [[block_key(fingerprint, h, (shards, shard)) for shard in range(shards)]
+            for h in hashes]
+
+
+class _BlockIO:
+    def __init__(self, store: MooncakeKVStore, mover: PageMover,
+                 shard_heads: Sequence[Heads]) -> None:
+        self._store, self._mover, self._shard_heads = store, mover, list(shard_heads)
+        layout = mover.layout
+        self._block_bytes = layout.page_bytes * layout.num_layers  # all of a block's shards
+
+    @property
+    def values_per_block(self) -> int:
+        """Store values per block on this rank: one, or one per head shard it holds."""
+        return len(self._shard_heads)
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one store value: a block's pages (of one shard) in every layer."""
+        return self._block_bytes // self.values_per_block
+
+
+class DirectBlockIO(_BlockIO):
     """Values straight between a host cache and the store; no copy of our own."""
 
     def __init__(self, store: MooncakeKVStore, mover: PageMover,
@@ -37,7 +77,7 @@ class DirectBlockIO:
         if mover.device.type != "cpu":
             raise ValueError(f"direct transfers need the KV cache in host memory, not on "
                              f"{mover.device}; use transfer: staging")
-        self._store, self._mover, self._shard_heads = store, mover, list(shard_heads)
+        super().__init__(store, mover, shard_heads)
         store.register_range(*mover.storage_span())
 
     def describe(self) -> str:
@@ -50,7 +90,7 @@ class DirectBlockIO:
         """The keys and their pieces, in the order of the blocks' place in the cache: Mooncake
         copies pieces in batch order, and walking the cache forwards rather than in the
         request's (scattered) block order measured about 10% faster on MLA's small pages."""
-        per_block = len(self._shard_heads)
+        per_block = self.values_per_block
         order = sorted(range(len(block_ids)), key=block_ids.__getitem__)
         ordered_ids = [block_ids[b] for b in order]
         per_shard = [self._mover.block_spans(ordered_ids, heads) for heads in self._shard_heads]
@@ -69,15 +109,13 @@ class DirectBlockIO:
         return lambda: self._store.get_parts(ordered_keys, *spans)
 
 
-class StagedBlockIO:
+class StagedBlockIO(_BlockIO):
     """Values through a registered host buffer, `buffer_bytes` at most, chunk by chunk; a
     device cache's pages pass through a device buffer of `device_buffer_bytes` on the way."""
 
     def __init__(self, store: MooncakeKVStore, mover: PageMover, shard_heads: Sequence[Heads],
                  buffer_bytes: int, device_buffer_bytes: int | None = None) -> None:
-        self._store, self._mover, self._shard_heads = store, mover, list(shard_heads)
-        layout = mover.layout
-        self._block_bytes = layout.page_bytes * layout.num_layers  # all of a block's shards
+        super().__init__(store, mover, shard_heads)
         self._chunk_blocks = buffer_bytes // self._block_bytes
         if self._chunk_blocks < 1:
             raise ValueError(f"staging_buffer_bytes {buffer_bytes} is less than one block's "
@@ -108,7 +146,7 @@ class StagedBlockIO:
 
     def _chunks(self, keys: list[str], block_ids: list[int]
                 ) -> Iterator[tuple[list[str], list[int]]]:
-        per_block = len(self._shard_heads)
+        per_block = self.values_per_block
         for start in range(0, len(block_ids), self._chunk_blocks):
             ids = block_ids[start:start + self._chunk_blocks]
             yield keys[start * per_block:(start + len(ids)) * per_block], ids
@@ -148,7 +186,7 @@ class StagedBlockIO:
     def store(self, keys: list[str], block_ids: list[int]) -> PutResult:
         """Store the values the store lacks; blocks whose every value it has are not even
         gathered (a shared prefix costs one existence check)."""
-        per_block = len(self._shard_heads)
+        per_block = self.values_per_block
         present = self._store.exists(keys)
         result = PutResult(skipped=[key for key, there in zip(keys, present, strict=True)
                                     if there])
@@ -171,7 +209,7 @@ class StagedBlockIO:
 
     def load_job(self, keys: list[str], block_ids: list[int]) -> LoadJob:
         def run() -> dict[str, int]:
-            per_block = len(self._shard_heads)
+            per_block = self.values_per_block
             with self._lock:
                 for chunk_keys, chunk_ids in self._chunks(keys, block_ids):
                     failed = self._store.get_parts(chunk_keys, *self._spans(len(chunk_ids)))

@@ -24,8 +24,9 @@ class IncompatibleConfig(ValueError):
     """Settings under which prefill and decode instances can never share pages."""
 
 
-def identity(vllm_config: Any) -> dict[str, Any]:
-    """Everything a prefill and a decode instance must agree on, from the config alone."""
+def identity(vllm_config: Any, store_tp_size: int | None = None) -> dict[str, Any]:
+    """Everything a prefill and a decode instance must agree on, from the config alone
+    (`store_tp_size`: the connector's setting of that name, see `kvhelper.tp`)."""
     spec = ModelKVSpec.from_vllm_config(vllm_config)
     algo = str(vllm_config.cache_config.prefix_caching_hash_algo)
     if algo in NON_CRYPTO_HASHES and os.environ.get("PYTHONHASHSEED") is None:
@@ -46,11 +47,8 @@ def identity(vllm_config: Any) -> dict[str, Any]:
     }
     if not spec.use_mla:
         # K/V pages are stored in head shards; instances must agree on how many (kvhelper.tp).
-        transfer = vllm_config.kv_transfer_config
-        requested = dict(transfer.kv_connector_extra_config or {}).get("store_tp_size") \
-            if transfer is not None else None
         try:  # every rank of an instance holds as many heads as rank 0
-            sharding = store_sharding(spec.total_kv_heads, spec.tp_size, 0, requested)
+            sharding = store_sharding(spec.total_kv_heads, spec.tp_size, 0, store_tp_size)
         except TPMismatchError as err:
             raise IncompatibleConfig(f"kv_connector_extra_config: {err}") from None
         found["store_tp_size"] = sharding.shards

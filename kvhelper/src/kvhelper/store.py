@@ -31,6 +31,11 @@ CONFIG_KEYS = ("master_server_address", "metadata_server", "protocol", "device_n
                "global_segment_size", "local_buffer_size", "local_hostname")
 
 
+def local_address(environ: Mapping[str, str]) -> str:
+    """This host's address for peers: $POD_IP (the operator renders it), else the hostname's."""
+    return environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+
+
 class ConfigError(ValueError):
     """Missing or contradictory Mooncake settings; the message names the setting and source."""
 
@@ -54,8 +59,7 @@ class MooncakeConfig:
     global_segment_size: int = 1 << 30
     local_buffer_size: int = 256 << 20
     # Where peers reach this store; in a pod, its IP ($POD_IP).
-    local_hostname: str = field(default_factory=lambda: os.environ.get("POD_IP") or
-                                socket.gethostbyname(socket.gethostname()))
+    local_hostname: str = field(default_factory=lambda: local_address(os.environ))
 
     @classmethod
     def load(cls, extra_config: Mapping[str, Any],
@@ -86,6 +90,7 @@ class MooncakeConfig:
             raise ConfigError("master_server_address is not set: give it in mooncake.json "
                               "(mooncake_config_path or $MOONCAKE_CONFIG_PATH) or in "
                               "kv_connector_extra_config")
+        merged.setdefault("local_hostname", local_address(environ))
         config = cls(**{f.name: merged[f.name] for f in fields(cls) if f.name in merged})
         config.validate()
         return config
@@ -143,10 +148,13 @@ class MooncakeKVStore:
     def unregister_range(self, address: int) -> None:
         self._store.unregister_buffer(address)
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
+    def exists(self, keys: Sequence[str], strict: bool = False) -> list[bool]:
+        """Which keys the store holds; `strict` raises StoreError when it cannot say."""
         if not keys:
             return []
         codes = self._store.batch_is_exist(list(keys))
+        if strict and (failed := [code for code in codes if code < 0]):
+            raise StoreError("checking which KV blocks are stored", failed[0])
         return [code == 1 for code in codes]
 
     def put(self, keys: Sequence[str], pointers: Sequence[int], sizes: Sequence[int],

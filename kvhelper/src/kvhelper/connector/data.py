@@ -1,0 +1,56 @@
+"""What the connector's two sides share: the transfer parameters prefill hands decode (through
+the client's response and the proxy), the per-step metadata the scheduler side sends the
+workers, and the scheduler side's one record per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+# In kv_transfer_params, from prefill to decode:
+PARAMS_KEY = "kvhelper_tokens"  # how many prompt tokens decode can load (whole blocks)
+IDENTITY_KEY = "kvhelper_identity"  # compat.identity() of the prefill instance
+PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last block decode can load
+
+
+@dataclass
+class Transfer:
+    """Blocks of one request to store or load: their hashes (hex, in order) and block ids."""
+    req_id: str
+    block_hashes: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class LoadOutcome:
+    """What reading one request's pages gave: the first `good` blocks are in place."""
+    load: Transfer
+    good: int
+    errors: list[int]  # store error codes of the failed keys
+    seconds: float
+
+
+@dataclass
+class MooncakeStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    saves: list[Transfer] = field(default_factory=list)
+
+
+@dataclass
+class RequestRecord:
+    """The scheduler side's state of one request, from the first time vLLM asks about it to
+    `request_finished`."""
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    # Set when vLLM is told tokens can be loaded: the local prefix-cache hit vLLM passed then,
+    # after which the load starts (vLLM sets request.num_computed_tokens only later).
+    local_hit_tokens: int | None = None
+    load_scheduled: bool = False  # loaded once: a preempted and resumed request recomputes
+    refused: bool = False  # prefill's pages cannot be used here
+    saved_tokens: int | None = None  # producer: prompt tokens decode can load
+    prefix_hash: str | None = None  # producer: hex hash of the last of those blocks

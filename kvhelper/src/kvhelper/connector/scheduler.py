@@ -1,0 +1,151 @@
+"""The connector's scheduler side: which tokens of a request can be loaded and into which
+blocks, which blocks a finished prompt stores, and what prefill tells decode. No I/O: it runs in
+vLLM's scheduler process and only describes work for the workers."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvhelper import compat
+from kvhelper.connector.data import (
+    IDENTITY_KEY,
+    PARAMS_KEY,
+    PREFIX_HASH_KEY,
+    MooncakeStoreConnectorMetadata,
+    RequestRecord,
+    Transfer,
+)
+from kvhelper.connector_metrics import TransferStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvhelper.connector")
+
+
+class SchedulerSide:
+    def __init__(self, block_size: int, is_producer: bool, is_consumer: bool,
+                 identity: dict[str, Any], load_async: bool, stats: TransferStats) -> None:
+        self.block_size = block_size
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.identity = identity
+        self.load_async = load_async
+        self.stats = stats
+        self._records: dict[str, RequestRecord] = {}
+        self._loads: list[Transfer] = []
+
+    def _record(self, request: Request) -> RequestRecord:
+        record = self._records.get(request.request_id)
+        if record is None:
+            record = self._records[request.request_id] = RequestRecord(request)
+        return record
+
+    # -- decode: what can be loaded, and where -----------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens after the `num_computed_tokens` of the local prefix-cache hit that decode can
+        load: the whole blocks prefill stored, short of the prompt's last token."""
+        params = request.kv_transfer_params or {}
+        if not (self.is_consumer and params.get("do_remote_prefill")):
+            return 0, False
+        record = self._record(request)
+        if record.refused or record.load_scheduled:
+            return 0, False
+        stored = int(params.get(PARAMS_KEY) or 0)
+        # vLLM must compute at least the last prompt token itself.
+        limit = request.num_prompt_tokens - 1
+        blocks = min(stored, limit, len(request.block_hashes) * self.block_size) \
+            // self.block_size
+        if blocks and not self._compatible(request, params, stored // self.block_size):
+            record.refused = True
+            self.stats.count("requests_refused")
+            return 0, False
+        external = max(0, blocks * self.block_size - num_computed_tokens)
+        record.local_hit_tokens = num_computed_tokens if external else None
+        return external, self.load_async and external > 0
+
+    def _compatible(self, request: Request, params: dict[str, Any], stored_blocks: int) -> bool:
+        theirs = params.get(IDENTITY_KEY)
+        if isinstance(theirs, dict) and (problems := compat.differences(theirs, self.identity)):
+            log.warning("request %s: prefill's KV cannot be used here (%s); recomputing the "
+                        "prompt", request.request_id, "; ".join(problems))
+            return False
+        prefix_hash = params.get(PREFIX_HASH_KEY)
+        if prefix_hash and stored_blocks <= len(request.block_hashes):
+            ours = bytes(request.block_hashes[stored_blocks - 1]).hex()
+            if ours != prefix_hash:
+                log.warning("request %s: this instance hashes the prompt differently from "
+                            "prefill (its tokens, hash algorithm or PYTHONHASHSEED differ), so "
+                            "no stored page can match; recomputing the prompt",
+                            request.request_id)
+                return False
+        return True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        record = self._record(request)
+        record.block_ids = list(blocks.get_block_ids()[0])
+        local_hit, record.local_hit_tokens = record.local_hit_tokens, None
+        if num_external_tokens <= 0:
+            return
+        if local_hit is None:  # vLLM asks before it allocates; never guess where to write
+            raise RuntimeError(f"request {request.request_id}: vLLM allocated "
+                               f"{num_external_tokens} external tokens the connector did not "
+                               "offer")
+        # Never onto the locally cached blocks: those may be shared with other requests.
+        first = local_hit // self.block_size
+        count = num_external_tokens // self.block_size
+        hashes = [bytes(h).hex() for h in request.block_hashes[first:first + count]]
+        self._loads.append(Transfer(request.request_id, hashes,
+                                    record.block_ids[first:first + count]))
+        record.load_scheduled = True
+
+    # -- prefill: what is stored ---------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput
+                             ) -> MooncakeStoreConnectorMetadata:
+        meta = MooncakeStoreConnectorMetadata(loads=self._loads)
+        self._loads = []
+        if not self.is_producer:
+            return meta
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_ids = cached.new_block_ids[i]
+            record = self._records.get(req_id)
+            if new_ids is None or record is None:
+                continue
+            if req_id in cached.resumed_req_ids:  # preempted and resumed: all of its blocks
+                record.block_ids = list(new_ids[0])
+            else:
+                record.block_ids.extend(new_ids[0])
+        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            record = self._records.get(req_id)
+            if record is None or record.saved_tokens is not None:
+                continue
+            request = record.request
+            if request.num_computed_tokens + scheduled < request.num_prompt_tokens:
+                continue  # the prompt is still being prefilled (chunked)
+            full = min(len(request.block_hashes), request.num_prompt_tokens // self.block_size)
+            hashes = [bytes(h).hex() for h in request.block_hashes[:full]]
+            meta.saves.append(Transfer(req_id, hashes, record.block_ids[:full]))
+            # Every full block is stored (a longer prompt may share them), but decode must
+            # compute the last prompt token itself: tell it of the blocks before that token, so
+            # that the prefix hash it checks is that of the last block it will really read.
+            usable = min(full, (request.num_prompt_tokens - 1) // self.block_size)
+            record.saved_tokens = usable * self.block_size
+            record.prefix_hash = hashes[usable - 1] if usable else None
+        return meta
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """The kv_transfer_params for decode, for a prompt this instance stored."""
+        record = self._records.pop(request.request_id, None)
+        if not self.is_producer or record is None or record.saved_tokens is None:
+            return None
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                PARAMS_KEY: record.saved_tokens, IDENTITY_KEY: self.identity,
+                PREFIX_HASH_KEY: record.prefix_hash, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}

@@ -1,0 +1,58 @@
+"""The connector's settings, parsed once from `kv_connector_extra_config` into a frozen object
+that the connector, `compat` and `store` all read (Mooncake's own keys, and `mooncake.json`,
+are `kvhelper.store.MooncakeConfig`'s)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Literal
+
+from kvhelper.block_io import DEFAULT_STAGING_BYTES
+
+Transfer = Literal["auto", "direct", "staging"]
+
+
+class SettingsError(ValueError):
+    """A setting of kv_connector_extra_config with a value the connector cannot use."""
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    # Loads on a loader thread while the request waits in WAITING_FOR_REMOTE_KVS (true), or
+    # inside the scheduler step (false).
+    load_async: bool = True
+    # How values move: "direct" between a host cache and the store, "staging" through a host
+    # buffer (device caches need it), "auto" picks by where the cache lives.
+    transfer: Transfer = "auto"
+    staging_buffer_bytes: int = DEFAULT_STAGING_BYTES
+    store_tp_size: int | None = None  # head shards per K/V block; None: the TP size
+    # The whole extra config, read-only (Mooncake's keys are kvhelper.store's to read).
+    raw: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        load_async = extra.get("load_async", True)
+        if not isinstance(load_async, bool):
+            raise SettingsError("kv_connector_extra_config.load_async must be true or false, "
+                                f"not {load_async!r}")
+        transfer = extra.get("transfer", "auto")
+        if transfer not in ("auto", "direct", "staging"):
+            raise SettingsError("kv_connector_extra_config.transfer must be auto, direct or "
+                                f"staging, not {transfer!r}")
+        staging = extra.get("staging_buffer_bytes", DEFAULT_STAGING_BYTES)
+        if not _positive_int(staging):
+            raise SettingsError("kv_connector_extra_config.staging_buffer_bytes must be a "
+                                f"number of bytes, not {staging!r}")
+        shards = extra.get("store_tp_size")
+        if shards is not None and not _positive_int(shards):
+            raise SettingsError("kv_connector_extra_config.store_tp_size must be a positive "
+                                f"integer, not {shards!r}")
+        return cls(load_async=load_async, transfer=transfer, staging_buffer_bytes=staging,
+                   store_tp_size=shards, raw=MappingProxyType(extra))
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1

@@ -1,0 +1,114 @@
+"""The connector's scheduler side on its own, without an engine: requests and scheduler outputs
+are stand-ins with the fields vLLM's scheduler fills (named as such); the real engine runs in
+test_connector.py, test_prefix_hits.py and test_preemption.py."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from kvhelper.connector.data import IDENTITY_KEY, PARAMS_KEY, PREFIX_HASH_KEY
+from kvhelper.connector.scheduler import SchedulerSide
+from kvhelper.connector_metrics import TransferStats
+
+BLOCK = 16
+IDENTITY = {"model": "m", "mla": True, "block_size": BLOCK}
+
+
+def request(req_id: str, tokens: int, params: dict[str, Any] | None = None) -> Any:
+    """A stand-in for vllm.v1.request.Request: chained hashes of its full blocks."""
+    return SimpleNamespace(request_id=req_id, num_prompt_tokens=tokens, num_computed_tokens=0,
+                           block_hashes=[bytes([i]) * 8 for i in range(tokens // BLOCK)],
+                           kv_transfer_params=params)
+
+
+def blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def step(scheduled: dict[str, int], cached: dict[str, list[int]] | None = None,
+         resumed: set[str] | None = None) -> Any:
+    """A stand-in for SchedulerOutput: tokens scheduled per request, new blocks of running ones."""
+    cached = cached or {}
+    return SimpleNamespace(num_scheduled_tokens=scheduled, scheduled_cached_reqs=SimpleNamespace(
+        req_ids=list(cached), new_block_ids=[(ids,) for ids in cached.values()],
+        resumed_req_ids=resumed or set()))
+
+
+def side(producer: bool = False, consumer: bool = False) -> SchedulerSide:
+    return SchedulerSide(BLOCK, producer, consumer, IDENTITY, load_async=True,
+                         stats=TransferStats())
+
+
+def decode_params(stored_tokens: int) -> dict[str, Any]:
+    return {"do_remote_prefill": True, PARAMS_KEY: stored_tokens, IDENTITY_KEY: IDENTITY,
+            PREFIX_HASH_KEY: (bytes([stored_tokens // BLOCK - 1]) * 8).hex()}
+
+
+@pytest.mark.parametrize("local_blocks", [0, 2, 9, 10])
+def test_loads_start_after_the_local_prefix_hit(local_blocks: int) -> None:
+    consumer = side(consumer=True)
+    req = request("r", 10 * BLOCK + 3, decode_params(10 * BLOCK))
+    params = copy.deepcopy(req.kv_transfer_params)
+    external, load_async = consumer.get_num_new_matched_tokens(req, local_blocks * BLOCK)
+    assert external == (10 - local_blocks) * BLOCK and load_async == (external > 0)
+    assert req.kv_transfer_params == params  # asking has no side effect on the request
+    ids = [100 + i for i in range(11)]
+    consumer.update_state_after_alloc(req, blocks(ids), external)
+    meta = consumer.build_connector_meta(step({}))
+    if local_blocks == 10:
+        assert meta.loads == []
+        return
+    (load,) = meta.loads
+    assert load.block_ids == ids[local_blocks:10]  # never a block the request had cached
+    assert load.block_hashes == [h.hex() for h in req.block_hashes[local_blocks:10]]
+
+
+def test_a_request_is_loaded_once_and_recomputes_when_resumed() -> None:
+    consumer = side(consumer=True)
+    req = request("r", 4 * BLOCK + 1, decode_params(4 * BLOCK))
+    external, _ = consumer.get_num_new_matched_tokens(req, 0)
+    consumer.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), external)
+    assert len(consumer.build_connector_meta(step({})).loads) == 1
+    # Preempted and resumed: vLLM asks again; the pages may be gone, so it recomputes.
+    assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
+    consumer.update_state_after_alloc(req, blocks([6, 7, 8, 9, 10]), 0)
+    assert consumer.build_connector_meta(step({})).loads == []
+
+
+def test_an_incompatible_prefill_is_refused_once_without_touching_the_request() -> None:
+    consumer = side(consumer=True)
+    params = {**decode_params(4 * BLOCK), IDENTITY_KEY: {**IDENTITY, "block_size": 64}}
+    req = request("r", 4 * BLOCK + 1, params)
+    assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert req.kv_transfer_params == params
+    assert consumer.stats.take().data["requests_refused"] == 1  # type: ignore[union-attr]
+
+
+def test_external_tokens_the_connector_did_not_offer_are_refused_loudly() -> None:
+    consumer = side(consumer=True)
+    with pytest.raises(RuntimeError, match="did not offer"):
+        consumer.update_state_after_alloc(request("r", 3 * BLOCK), blocks([1, 2, 3]), BLOCK)
+
+
+def test_prefill_stores_a_chunked_and_preempted_prompt_from_its_current_blocks() -> None:
+    producer = side(producer=True)
+    req = request("r", 5 * BLOCK + 4, {"do_remote_decode": True})  # 5 full blocks
+    producer.update_state_after_alloc(req, blocks([1, 2]), 0)
+    assert producer.build_connector_meta(step({"r": 2 * BLOCK})).saves == []  # first chunk
+    # Preempted (vLLM starts it again from token 0), then resumed in other blocks: vLLM gives
+    # the connector all of them, at allocation and again as the step's resumed blocks.
+    producer.update_state_after_alloc(req, blocks([7, 8]), 0)
+    producer.build_connector_meta(step({"r": 2 * BLOCK}, {"r": [7, 8]}, resumed={"r"}))
+    req.num_computed_tokens = 2 * BLOCK
+    meta = producer.build_connector_meta(step({"r": 3 * BLOCK + 4}, {"r": [9, 10, 11, 12]}))
+    (save,) = meta.saves
+    assert save.block_ids == [7, 8, 9, 10, 11]
+    assert save.block_hashes == [h.hex() for h in req.block_hashes]
+    params = producer.request_finished(req)
+    assert params is not None and params[PARAMS_KEY] == 5 * BLOCK
+    assert params[PREFIX_HASH_KEY] == req.block_hashes[4].hex()
+    assert producer.request_finished(req) is None  # the record is gone
