@@ -5,7 +5,7 @@ from __future__ import annotations
 from disagg_operator.etcd_process import EtcdProcess
 from disagg_operator.handlers import OperatorConfig
 from disagg_operator.sandbox import Sandbox
-from disagg_operator.spec import GROUP, PLURAL, VERSION
+from disagg_operator.spec import GROUP, MAX_NAME_LENGTH, PLURAL, VERSION
 from prometheus_client import REGISTRY
 
 from .conftest import NAMESPACE, Api, example
@@ -66,7 +66,8 @@ async def test_scale_decode_applies_only_the_decode_workload(api: Api) -> None:
     await create_seed(api)
     mark = api.mark()
     await api.patch_spec("dsv2-lite", {"decode": {"replicas": 3}})
-    await api.wait_condition("dsv2-lite", "Ready", "True", generation=2)
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",
+                             generation=2)
     assert api.get("deployments", "dsv2-lite-decode")["spec"]["replicas"] == 3  # type: ignore[index]
     assert api.dsv("dsv2-lite")["status"]["decode"]["summary"] == "3/3"  # type: ignore[index]
     child_writes = [w for w in api.writes_since(mark) if PLURAL not in w]
@@ -86,11 +87,13 @@ async def test_image_change_rolls_out_and_reports_progress(cluster: Sandbox, api
     for obj in workloads:
         images = {c["image"] for c in obj["spec"]["template"]["spec"]["containers"]}
         assert images == {"test/serving:2"}, obj["metadata"]["name"]
-    assert api.condition("dsv2-lite", "Ready")["reason"] == "ComponentsNotReady"  # type: ignore[index]
+    # The old pods still serve: Ready stays True while the rollout is under way.
+    assert api.condition("dsv2-lite", "Ready")["status"] == "True"  # type: ignore[index]
     for obj in workloads:
         await cluster.emulator.set_workload_ready("deployments", NAMESPACE,
                                                   obj["metadata"]["name"])
-    await api.wait_condition("dsv2-lite", "Ready", "True", generation=2)
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",
+                             generation=2)
     assert api.condition("dsv2-lite", "Progressing")["status"] == "False"  # type: ignore[index]
 
 
@@ -106,7 +109,8 @@ async def test_switch_to_external_etcd_prunes_managed_etcd(api: Api, etcd: EtcdP
                                         ("services", "dsv2-lite-etcd-client")}
     config = api.get("configmaps", "dsv2-lite-config", group="", version="v1")
     assert f"etcd://{etcd.endpoint}" in config["data"]["mooncake.json"]  # type: ignore[index]
-    cond = await api.wait_condition("dsv2-lite", "Ready", "True", generation=2)
+    cond = await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",
+                             generation=2)
     assert api.dsv("dsv2-lite")["status"]["etcd"] == {  # type: ignore[index]
         "mode": "External", "endpoints": [etcd.endpoint], "healthy": True,
         "message": f"etcd answers at {etcd.endpoint}"}
@@ -203,6 +207,19 @@ async def test_refused_change_is_reported_and_nothing_is_half_applied(api: Api) 
             obj["spec" if "spec" in obj else "data"], key
 
     await api.patch_spec("dsv2-lite", {"etcd": {"storageSize": None}})
-    await api.wait_condition("dsv2-lite", "Ready", "True", generation=3)
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",
+                             generation=3)
     decode = api.get("deployments", "dsv2-lite-decode")
     assert decode["spec"]["template"]["spec"]["containers"][0]["image"] == "test/serving:2"  # type: ignore[index]
+
+
+async def test_a_name_too_long_for_its_children_creates_no_children(api: Api) -> None:
+    """The CRD's CEL rule caps the name; the emulator skips CEL, so the operator's own check
+    is what stands between a long name and children whose names Kubernetes refuses."""
+    body = example("llama-1p1d.yaml")
+    name = "x" * (MAX_NAME_LENGTH + 1)
+    body["metadata"]["name"] = name
+    await api.create(body)
+    cond = await api.wait_condition(name, "Ready", "False", "InvalidSpec")
+    assert f"at most {MAX_NAME_LENGTH}" in cond["message"] and "metadata.name" in cond["message"]
+    assert api.children(name) == {}

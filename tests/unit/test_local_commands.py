@@ -75,7 +75,7 @@ def test_config_files_and_kv_settings_point_at_the_run_folder() -> None:
     assert config["kv_connector_extra_config"]["mooncake_config_path"] == \
         "/run/cfg/mooncake.json"
     assert prefill.env["MOONCAKE_CONFIG_PATH"] == "/run/cfg/mooncake.json"
-    assert prefill.env["MOONCAKE_LOCAL_HOSTNAME"] == "127.0.0.1"
+    assert prefill.env["POD_IP"] == "127.0.0.1"  # the store's own address (kvhelper.store)
     assert "HF_HOME" not in prefill.env  # a path inside the pod
     assert not any(CONFIG_DIR in arg for arg in prefill.argv)
 

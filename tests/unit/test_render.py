@@ -88,3 +88,45 @@ def test_mooncake_config_sizes_are_bytes() -> None:
     text = plan.mooncake_config_json(spec, "master:50051", ("etcd:2379",))
     assert '"global_segment_size": 4294967296' in text
     assert '"metadata_server": "etcd://etcd:2379"' in text
+
+
+def test_the_longest_allowed_name_gives_children_dns_label_names() -> None:
+    from disagg_operator.association import DNS_LABEL_MAX, MAX_NAME_LENGTH, name_problem
+
+    doc = yaml.safe_load((ROOT / "examples" / "deepseek-v2-lite-1p2d.yaml").read_text())
+    name = "n" * MAX_NAME_LENGTH
+    objects = render(Owner(name, "default", "uid-0"), parse_spec(doc["spec"]), "img:1")
+    longest = max(len(o["metadata"]["name"]) for o in objects)
+    assert longest == DNS_LABEL_MAX  # the limit is tight: one character more would not fit
+    assert name_problem(name) is None and "at most 47" in (name_problem(name + "n") or "")
+
+
+def test_a_config_file_change_rolls_the_pods_that_read_it() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "deepseek-v2-lite-1p2d.yaml").read_text())
+
+    def templates(segment: str) -> dict[str, dict]:
+        doc["spec"].setdefault("kvTransfer", {}).setdefault("mooncake", {})[
+            "globalSegmentSize"] = segment
+        objects = render(Owner("x", "default", "uid-0"), parse_spec(doc["spec"]), "img:1")
+        return {o["metadata"]["name"]: o["spec"]["template"] for o in objects
+                if o["kind"] == "Deployment"}
+
+    before, after = templates("4Gi"), templates("8Gi")
+    changed = {name for name in before if before[name] != after[name]}
+    assert changed == {"x-prefill", "x-decode"}  # the pods that mount mooncake.json
+    key = "serving.disagg.dev/config-hash"
+    assert before["x-prefill"]["metadata"]["annotations"][key] != \
+        after["x-prefill"]["metadata"]["annotations"][key]
+
+
+def test_the_kv_cache_dtype_is_the_operators_and_the_same_on_both_roles() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "deepseek-v2-lite-1p2d.yaml").read_text())
+    with pytest.raises(InvalidSpecError, match="spec.model.kvCacheDtype"):
+        parse_spec({**doc["spec"], "decode": {"extraArgs": ["--kv-cache-dtype=fp8"]}})
+    auto = plan.compatibility_fingerprint(parse_spec(doc["spec"]))
+    doc["spec"]["model"]["kvCacheDtype"] = "fp8"
+    spec = parse_spec(doc["spec"])
+    for role in ("prefill", "decode"):
+        args = plan.vllm_args(role, spec)
+        assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+    assert plan.compatibility_fingerprint(spec) != auto  # fp8 pages never meet bf16 ones

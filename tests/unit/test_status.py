@@ -46,11 +46,32 @@ def test_all_ready_is_ready_and_transition_time_is_kept() -> None:
     assert [e.reason for e in transition_events({}, first)] == ["Ready"]
 
 
-def test_missing_decode_names_the_role() -> None:
+def test_a_role_below_its_replicas_serves_degraded_and_one_with_none_is_not_ready() -> None:
     status = compute_status(_obs({"decode": 1}), {}, "t1")
+    ready, degraded = condition(status, "Ready"), condition(status, "Degraded")
+    assert (ready["status"], ready["reason"]) == ("True", "Serving")
+    assert (degraded["status"], degraded["reason"]) == ("True", "ReducedCapacity")
+    assert "decode: 1 of 2 ready" in degraded["message"]
+    status = compute_status(_obs({"decode": 0}), status, "t2")
     ready = condition(status, "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "ComponentsNotReady")
-    assert "decode 1/2" in ready["message"]
+    assert "decode: 0 of 2 ready" in ready["message"]
+
+
+def test_ready_stays_true_while_old_pods_serve_a_rollout() -> None:
+    obs = _obs({})
+    first = compute_status(obs, {}, "t1")
+    for key, live in obs.observed.items():
+        if key[1] == "dsv2-lite-prefill":  # the new pods are not ready; the old one serves
+            live["metadata"]["generation"] = 2
+            live["status"] = {"observedGeneration": 2, "replicas": 2, "updatedReplicas": 1,
+                              "readyReplicas": 1}
+    status = compute_status(obs, first, "t2")
+    assert condition(status, "Ready")["status"] == "True"
+    assert condition(status, "Progressing")["reason"] == "RollingOut"
+    assert "prefill: 1 of 1 updated" in condition(status, "Progressing")["message"]
+    assert condition(status, "Degraded")["status"] == "False"
+    assert transition_events(first, status) == []  # no Warning while it serves
 
 
 def test_unhealthy_etcd_blocks_ready_and_degrades() -> None:

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+from disagg_operator.association import ETCD, ETCD_CLIENT, MOONCAKE_MASTER, child_name
 from disagg_operator.quantity import parse_quantity
 from disagg_operator.spec import ConnectorName, DisaggServingSpec, RoleSpec
 
@@ -98,10 +99,10 @@ class ClusterAddressing:
         return f"{service}.{self.namespace}.svc.{self.cluster_domain}"
 
     def etcd_endpoints(self, name: str) -> tuple[str, ...]:
-        return (f"{self.service_host(f'{name}-etcd-client')}:{ETCD_CLIENT_PORT}",)
+        return (f"{self.service_host(child_name(name, ETCD_CLIENT))}:{ETCD_CLIENT_PORT}",)
 
     def mooncake_master(self, name: str, port: int) -> str:
-        return f"{self.service_host(f'{name}-mooncake-master')}:{port}"
+        return f"{self.service_host(child_name(name, MOONCAKE_MASTER))}:{port}"
 
     def registration_url(self) -> str:
         # Expanded by Kubernetes from the POD_IP env var declared before it.
@@ -201,6 +202,8 @@ def vllm_args(role: VLLMRole, spec: DisaggServingSpec) -> tuple[str, ...]:
         args.append("--trust-remote-code")
     if model.max_model_len:
         args += ["--max-model-len", str(model.max_model_len)]
+    if model.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", model.kv_cache_dtype]
     args += ["--kv-transfer-config",
              json.dumps(kv_transfer_config(role, spec), sort_keys=True, separators=(",", ":"))]
     args += role_spec.extra_args
@@ -209,13 +212,16 @@ def vllm_args(role: VLLMRole, spec: DisaggServingSpec) -> tuple[str, ...]:
 
 def compatibility_labels(spec: DisaggServingSpec) -> dict[str, str]:
     """What prefill and decode must share for KV pages to be interchangeable."""
-    return {
+    labels = {
         "model": spec.model.name,
         "revision": spec.model.revision or "",
         "dtype": spec.model.dtype,
         "blockSize": str(spec.model.block_size),
         "connector": spec.kv_transfer.connector.value,
     }
+    if spec.model.kv_cache_dtype != "auto":  # (absent when auto: existing fingerprints stay)
+        labels["kvCacheDtype"] = spec.model.kv_cache_dtype
+    return labels
 
 
 def compatibility_fingerprint(spec: DisaggServingSpec) -> str:
@@ -237,8 +243,8 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
         ("PYTHONHASHSEED", "0"),
     ]
     if spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE:
-        env += [("MOONCAKE_CONFIG_PATH", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"),
-                ("MOONCAKE_LOCAL_HOSTNAME", PodIP())]
+        # The store's own address comes from POD_IP above (kvhelper.store).
+        env.append(("MOONCAKE_CONFIG_PATH", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"))
     if spec.hf_token_secret is not None:
         env.append(("HF_TOKEN", SecretKey(spec.hf_token_secret.name, spec.hf_token_secret.key)))
     main = Process(name="vllm", command=vllm_args(role, spec), env=tuple(env),
@@ -296,7 +302,7 @@ def _mooncake_master_component(spec: DisaggServingSpec) -> Component:
 
 
 def _etcd_component(name: str) -> Component:
-    peer_service = f"{name}-etcd"
+    peer_service = child_name(name, ETCD)
     main = Process(
         name="etcd",
         command=(

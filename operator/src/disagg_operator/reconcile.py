@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from disagg_operator import metrics
+from disagg_operator.association import PROXY, child_name, name_problem
 from disagg_operator.etcd_health import EtcdHealthChecker
 from disagg_operator.kube import ApiFailure, ChildKey, ClusterApi
 from disagg_operator.plan import ClusterAddressing, build_plan
@@ -131,6 +132,9 @@ class Reconciler:
         generation = int(meta.get("generation") or 1)
         previous = dict(body.get("status") or {})
         try:
+            # The API server's CEL rule says the same; re-checked, as every rule is here.
+            if problem := name_problem(owner.name):
+                raise InvalidSpecError("", problem)
             spec = parse_spec(dict(body.get("spec") or {}))
         except InvalidSpecError as err:
             status = invalid_spec_status(previous, generation, str(err), self.clock())
@@ -189,7 +193,7 @@ class Reconciler:
 
     def _endpoint(self, owner: Owner, spec: DisaggServingSpec) -> str:
         host = ClusterAddressing(owner.namespace, self.cluster_domain).service_host(
-            f"{owner.name}-proxy")
+            child_name(owner.name, PROXY))
         return f"http://{host}:{spec.proxy.service.port}"
 
 

@@ -7,10 +7,13 @@ to the DisaggServing, so Kubernetes garbage-collects them with it.
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import plan as plans
+from disagg_operator.association import CONFIG, ETCD, ETCD_CLIENT, child_name
 from disagg_operator.spec import GROUP, KIND, VERSION, DisaggServingSpec, RoleSpec
 
 MANAGED_BY = "disagg-operator"
@@ -19,6 +22,9 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 ANNOTATION_COMPAT = "serving.disagg.dev/compatibility"
+# A hash of the config files a pod reads (mooncake.json): a change rolls the pods, which
+# otherwise would keep the settings they started with while the ConfigMap says otherwise.
+ANNOTATION_CONFIG_HASH = "serving.disagg.dev/config-hash"
 GPU_RESOURCE = "nvidia.com/gpu"
 NONROOT_UID = 1000
 
@@ -82,7 +88,7 @@ def render(owner: Owner, spec: DisaggServingSpec, default_image: str,
     if plan.config_files:
         objects.append({
             "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(owner, f"{owner.name}-config", "config"),
+            "metadata": _meta(owner, child_name(owner.name, CONFIG), "config"),
             "data": dict(sorted(plan.config_files.items())),
         })
     for component in plan.components:
@@ -92,7 +98,7 @@ def render(owner: Owner, spec: DisaggServingSpec, default_image: str,
 
 def _render_component(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
                       component: plans.Component, image: str) -> list[Manifest]:
-    name = f"{owner.name}-{component.role}"
+    name = child_name(owner.name, component.role)
     if component.role == "etcd":
         return _render_etcd(owner, spec, component)
     pod = _pod_template(owner, spec, plan, component, image)
@@ -209,7 +215,9 @@ def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
         if plan.config_files:
             main["volumeMounts"].append({"name": "config", "mountPath": plans.CONFIG_DIR,
                                          "readOnly": True})
-            volumes.append({"name": "config", "configMap": {"name": f"{owner.name}-config"}})
+            volumes.append({"name": "config",
+                            "configMap": {"name": child_name(owner.name, CONFIG)}})
+            annotations[ANNOTATION_CONFIG_HASH] = config_hash(plan.config_files)
         for sidecar in component.sidecars:
             side = _container(sidecar, image, spec.image_pull_policy,
                               _container_security(read_only=True))
@@ -249,6 +257,11 @@ def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
     return template
 
 
+def config_hash(files: dict[str, str]) -> str:
+    blob = json.dumps(files, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
 def _vllm_resources(role_spec: RoleSpec) -> dict[str, Any]:
     if role_spec.resources:
         return copy.deepcopy(role_spec.resources)
@@ -278,7 +291,7 @@ def _place(pod_spec: dict[str, Any], role_spec: RoleSpec) -> None:
 
 def _render_etcd(owner: Owner, spec: DisaggServingSpec,
                  component: plans.Component) -> list[Manifest]:
-    name = f"{owner.name}-etcd"
+    name = child_name(owner.name, ETCD)
     etcd = spec.etcd
     main = _container(component.main, etcd.image, spec.image_pull_policy,
                       _container_security(read_only=True))
@@ -311,7 +324,7 @@ def _render_etcd(owner: Owner, spec: DisaggServingSpec,
                    "metadata": _meta(owner, name, "etcd"), "spec": sts_spec}
     peers = _service(owner, name, component, headless=True)
     peers["spec"]["publishNotReadyAddresses"] = True  # members must find each other to start
-    client = _service(owner, f"{name}-client", component, headless=False)
+    client = _service(owner, child_name(owner.name, ETCD_CLIENT), component, headless=False)
     client["spec"]["ports"] = [p for p in client["spec"]["ports"] if p["name"] == "client"]
     return [statefulset, peers, client]
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from disagg_operator import association
 from disagg_operator.quantity import parse_quantity
 
 GROUP = "serving.disagg.dev"
@@ -22,8 +23,8 @@ KIND = "DisaggServing"
 PLURAL = "disaggservings"
 SINGULAR = "disaggserving"
 SHORT_NAMES = ["dsv"]
-# Child names append at most 16 characters ("-mooncake-master") and must stay DNS labels (63).
-MAX_NAME_LENGTH = 47
+# Child names append a suffix and must stay DNS labels (disagg_operator.association).
+MAX_NAME_LENGTH = association.MAX_NAME_LENGTH
 
 
 
@@ -104,6 +105,10 @@ class ModelSpec(_Model):
     # The block sizes vLLM's CacheConfig accepts (tokens per KV page).
     block_size: Literal[1, 8, 16, 32, 64, 128, 256] = Field(
         default=16, description="KV page size in tokens; prefill and decode always share it.")
+    kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
+                            "fp8_ds_mla"] = Field(
+        default="auto", description="KV cache dtype (vLLM's --kv-cache-dtype), the same on "
+        "prefill and decode so that their pages are interchangeable; auto: the model dtype.")
     cache: ModelCacheSpec = _obj("Weight cache volume.")
 
     @model_validator(mode="before")
@@ -172,6 +177,7 @@ MANAGED_VLLM_FLAGS = {
     "--model": "spec.model.name", "--served-model-name": "spec.model.servedModelName",
     "--revision": "spec.model.revision", "--dtype": "spec.model.dtype",
     "--block-size": "spec.model.blockSize", "--max-model-len": "spec.model.maxModelLen",
+    "--kv-cache-dtype": "spec.model.kvCacheDtype",
     "--trust-remote-code": "spec.model.trustRemoteCode",
     "--tensor-parallel-size": "tensorParallelSize", "-tp": "tensorParallelSize",
     "--gpu-memory-utilization": "gpuMemoryUtilization",

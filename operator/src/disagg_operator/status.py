@@ -31,7 +31,14 @@ class WorkloadState:
 
     @property
     def summary(self) -> str:
-        return f"{self.ready}/{self.desired}"
+        """Ready of desired; pods of an old revision still ready during a rollout apart."""
+        extra = self.ready - self.desired
+        return f"{min(self.ready, self.desired)}/{self.desired}" + (
+            f" (+{extra} from the previous rollout)" if extra > 0 else "")
+
+    @property
+    def counts(self) -> str:
+        return f"{self.role}: {min(self.ready, self.desired)} of {self.desired} ready"
 
     @property
     def is_ready(self) -> bool:
@@ -91,7 +98,11 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
                       "healthy": bool(obs.etcd_health and obs.etcd_health.healthy),
                       "message": obs.etcd_health.message if obs.etcd_health else "not checked"}
 
+    # Ready means requests can be served: every component has a ready instance (old pods
+    # serving through a rollout count). Progress is Progressing's; lost capacity is Degraded's.
     not_ready = [w for w in workloads if not w.is_ready]
+    no_instance = [w for w in workloads if w.ready < 1]
+    short = [w for w in not_ready if w.rolled_out]  # finished rolling, yet below desired
     rolling = [w for w in workloads if not w.rolled_out and w.failure is None]
     failing = [w for w in workloads if w.failure]
     zero = [r for r in SERVING_ROLES if r in by_role and by_role[r].desired == 0]
@@ -102,18 +113,21 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
     elif zero:
         ready = ("False", "ScaledToZero",
                  f"{', '.join(zero)} has 0 replicas: scale it up to serve requests")
-    elif not_ready:
-        ready = ("False", "ComponentsNotReady", "waiting for " + "; ".join(
-            f"{w.role} {w.summary} ready" for w in not_ready))
+    elif no_instance:
+        ready = ("False", "ComponentsNotReady", "no ready instance yet: " + "; ".join(
+            w.counts for w in no_instance))
     elif not etcd_ok:
         ready = ("False", "EtcdUnhealthy", _etcd_message(obs))
+    elif not_ready:
+        ready = ("True", "Serving", f"serving at {obs.endpoint}; " + "; ".join(
+            w.counts for w in not_ready))
     else:
         ready = ("True", "AllComponentsReady",
                  f"{len(workloads)} components ready; serving at {obs.endpoint}")
 
     if rolling:
-        progressing = ("True", "RollingOut", "rolling out " + ", ".join(
-            f"{w.role} ({w.updated}/{w.desired} updated, {w.ready} ready)" for w in rolling))
+        progressing = ("True", "RollingOut", "rolling out " + "; ".join(
+            f"{w.role}: {w.updated} of {w.desired} updated, {w.ready} ready" for w in rolling))
     else:
         progressing = ("False", "RolloutComplete", "all components run the latest spec")
 
@@ -124,6 +138,8 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
                                                         for w in failing))
     elif obs.etcd_health is not None and not obs.etcd_health.healthy and not rolling:
         degraded = ("True", "EtcdUnhealthy", _etcd_message(obs))
+    elif short:
+        degraded = ("True", "ReducedCapacity", "; ".join(w.counts for w in short))
     else:
         degraded = ("False", "AsExpected", "no component reports a failure")
 
@@ -192,7 +208,8 @@ def transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpe
     if after is not None and (before is None or (before["status"], before["reason"])
                               != (after["status"], after["reason"])):
         if after["status"] == "True":
-            events.append(EventSpec("Normal", "Ready", after["message"]))
+            if before is None or before["status"] != "True":  # not for Serving <-> All...
+                events.append(EventSpec("Normal", "Ready", after["message"]))
         elif after["reason"] in ("InvalidSpec", "ApplyFailed", "EtcdUnhealthy"):
             events.append(EventSpec("Warning", after["reason"], after["message"]))
         elif before is not None and before["status"] == "True":

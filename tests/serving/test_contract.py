@@ -1,0 +1,95 @@
+"""The contract between the operator image and the serving image, checked from both sides: every
+command line the operator's plan renders for a kvhelper process parses with kvhelper's own
+argument parser, every --kv-transfer-config with the connector's own settings parser (and names
+a connector class that exists), every rendered mooncake.json loads with kvhelper's own loader,
+and every environment variable rendered for a serving container is one that something in it
+reads."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from disagg_operator.plan import ClusterAddressing, Plan, Process, build_plan
+from disagg_operator.spec import parse_spec
+from kvhelper.connector.settings import ConnectorSettings
+from kvhelper.proxy.__main__ import parse_args as proxy_args
+from kvhelper.registry import parse_args as registrar_args
+from kvhelper.store import MooncakeConfig
+
+ROOT = Path(__file__).parents[2]
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+KVHELPER_SOURCES = "\n".join(p.read_text() for p in (ROOT / "kvhelper" / "src").rglob("*.py"))
+# Read by programs other than kvhelper in the serving container, each for a stated reason.
+READ_ELSEWHERE = {
+    "HF_HOME": "Hugging Face's cache location, read by vLLM",
+    "HF_TOKEN": "the model hub token, read by vLLM's hub client",
+    "PYTHONHASHSEED": "Python itself; keeps xxhash block hashes equal across instances",
+    "POD_NAME": "etcd's command line ($(POD_NAME), expanded by Kubernetes)",
+}
+
+
+def plan_of(example: Path) -> Plan:
+    document = yaml.safe_load(example.read_text())
+    return build_plan(document["metadata"]["name"], "serving", parse_spec(document["spec"]),
+                      ClusterAddressing("serving"))
+
+
+def processes(plan: Plan) -> list[Process]:
+    return [p for c in plan.components for p in (c.main, *c.sidecars)]
+
+
+def module_args(process: Process, module: str) -> list[str] | None:
+    command = list(process.command)
+    if command[1:3] == ["-m", module]:
+        return command[3:]
+    return None
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_rendered_command_lines_parse_with_kvhelpers_own_parsers(example: Path) -> None:
+    seen = set()
+    for process in processes(plan_of(example)):
+        if (args := module_args(process, "kvhelper.proxy")) is not None:
+            proxy_args(args)
+            seen.add("proxy")
+        elif (args := module_args(process, "kvhelper.registry")) is not None:
+            registrar_args(args)
+            seen.add("registrar")
+        elif (args := module_args(process, "vllm.entrypoints.openai.api_server")) is not None:
+            config = json.loads(args[args.index("--kv-transfer-config") + 1])
+            if "kv_connector_module_path" in config:
+                module = importlib.import_module(config["kv_connector_module_path"])
+                assert hasattr(module, config["kv_connector"]), config
+                ConnectorSettings.parse(config.get("kv_connector_extra_config"))
+                seen.add("connector")
+    assert {"proxy", "registrar"} <= seen
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_rendered_mooncake_config_loads_with_kvhelpers_own_loader(
+        example: Path, tmp_path: Path) -> None:
+    plan = plan_of(example)
+    for name, content in plan.config_files.items():
+        path = tmp_path / name
+        path.write_text(content)
+        config = MooncakeConfig.load({}, environ={"MOONCAKE_CONFIG_PATH": str(path),
+                                                  "POD_IP": "10.0.0.7"})
+        assert config.master_server_address == plan.mooncake_master_address
+        assert config.local_hostname == "10.0.0.7"
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_rendered_env_var_is_read_in_its_container(example: Path) -> None:
+    unread: dict[str, Any] = {}
+    for process in processes(plan_of(example)):
+        for name, _ in process.env:
+            command = " ".join(process.command)
+            if (name not in READ_ELSEWHERE and f"$({name})" not in command
+                    and f'"{name}"' not in KVHELPER_SOURCES):
+                unread[name] = process.name
+    assert not unread, f"rendered but read by nothing: {unread}"
