@@ -30,6 +30,7 @@ class FakeVLLM:
     die_after_tokens: int | None = None  # drop the connection mid-stream
     healthy: bool = True
     frozen: bool = False  # accept connections but never answer, as a stopped process
+    api_key: str | None = None  # as vLLM's --api-key: completions need it
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)  # case-insensitive mappings
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -67,6 +68,8 @@ class FakeVLLM:
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
+        if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
         body = await request.json()
         self.requests.append(body)
         self.headers.append(request.headers.copy())

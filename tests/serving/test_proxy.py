@@ -343,3 +343,74 @@ async def test_method_not_allowed_names_the_allowed_methods_and_silence_is_a_tim
     events = [line.removeprefix("data: ") for line in raw.decode().split("\n\n") if line]
     assert status == 200 and json.loads(events[-1])["error"]["code"] == 504, events
     assert json.loads(events[-1])["error"]["type"] == "timeout"
+
+
+async def test_api_keys_for_clients_and_for_instances(backends, start_proxy, caplog):
+    prefill = await backends("p0", api_key="instances-key")
+    decode = await backends("d0", api_key="instances-key")
+    # Without a key of its own, the proxy passes the client's Authorization on.
+    open_proxy = await start_proxy([prefill.url], [decode.url])
+    status, _, _ = await post(f"{open_proxy}/v1/completions", {"prompt": "x"},
+                              {"Authorization": "Bearer instances-key"})
+    assert status == 200
+    status, _, raw = await post(f"{open_proxy}/v1/completions", {"prompt": "x"})
+    assert status == 401, raw
+    # With keys: clients present the proxy's; the instances get theirs.
+    guarded = await start_proxy([prefill.url], [decode.url], api_key="clients-key",
+                                backend_api_key="instances-key")
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        status, _, raw = await post(f"{guarded}/v1/completions", {"prompt": "x"}, headers)
+        assert status == 401 and json.loads(raw)["error"]["type"] == "authentication_error"
+    sent = len(prefill.requests)
+    status, _, raw = await post(f"{guarded}/v1/completions", {"prompt": "x"},
+                                {"Authorization": "Bearer clients-key"})
+    assert status == 200, raw
+    assert prefill.headers[-1]["Authorization"] == "Bearer instances-key"
+    assert len(prefill.requests) == sent + 1
+    async with aiohttp.ClientSession() as session, session.get(f"{guarded}/health") as got:
+        assert got.status == 200  # probes need no key
+    assert "clients-key" not in caplog.text and "instances-key" not in caplog.text
+
+
+def test_api_keys_come_only_from_the_environment(monkeypatch) -> None:
+    from kvhelper.proxy.__main__ import parse_args
+
+    monkeypatch.setenv("DISAGG_PROXY_API_KEY", "k1")
+    monkeypatch.setenv("DISAGG_PROXY_BACKEND_API_KEY", "k2")
+    config = parse_args(["--prefill", "p:1", "--decode", "d:1"]).config
+    assert (config.api_key, config.backend_api_key) == ("k1", "k2")
+    assert "k1" not in repr(config) and "k2" not in repr(config)
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill", "p:1", "--decode", "d:1", "--api-key", "k1"])
+
+
+async def test_idle_and_half_sent_connections_are_closed_and_connections_are_capped(
+        backends) -> None:
+    from kvhelper.discovery import StaticDiscovery
+    from kvhelper.proxy.app import Proxy, ProxyConfig
+    from kvhelper.proxy.server import serve
+
+    prefill, decode = await backends("p0"), await backends("d0")
+    proxy = Proxy(ProxyConfig(health_interval=60.0), StaticDiscovery([prefill.url],
+                                                                      [decode.url]))
+    port = free_port()
+    runner, listener = await serve(proxy.app(), "127.0.0.1", port, idle_timeout=0.5,
+                                   max_connections=2)
+    try:
+        idle = await asyncio.open_connection("127.0.0.1", port)
+        half = await asyncio.open_connection("127.0.0.1", port)
+        half[1].write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never finished
+        await half[1].drain()
+        await wait_for(lambda: len(runner.server.connections) == 2, 5, "both accepted")
+        extra_reader, _ = await asyncio.open_connection("127.0.0.1", port)
+        refused = await asyncio.wait_for(extra_reader.read(), 5)
+        assert refused.startswith(b"HTTP/1.1 503") and b"connection limit" in refused
+        # Both are closed by the idle timeout; the proxy serves again.
+        for reader, _ in (idle, half):
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        status, _, raw = await post(f"http://127.0.0.1:{port}/v1/completions",
+                                    {"prompt": "x"})
+        assert status == 200, raw
+    finally:
+        listener.close()
+        await runner.cleanup()

@@ -3,22 +3,26 @@
 Instances come from etcd (`--etcd` and `--prefix`, as the operator renders it) or from static
 lists (`--prefill host:port --decode host:port ...`, as the older demo proxies took them).
 Every flag can also be set by an environment variable: DISAGG_PROXY_<FLAG>, e.g.
-DISAGG_PROXY_DECODE_TIMEOUT=900.
+DISAGG_PROXY_DECODE_TIMEOUT=900. API keys come only from the environment (a Secret in a pod):
+DISAGG_PROXY_API_KEY, which clients must present as `Authorization: Bearer KEY`, and
+DISAGG_PROXY_BACKEND_API_KEY, the key vLLM instances were started with (--api-key); without the
+latter, a client's Authorization header is passed on to the instances.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 from typing import Any
-
-from aiohttp import web
 
 from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
 from kvhelper.instances import split_endpoints
 from kvhelper.proxy.app import Proxy, ProxyConfig
+from kvhelper.proxy.server import serve
 
 
 def _env(flag: str, default: Any) -> Any:
@@ -52,7 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--decode-attempts", type=int, default=_env("decode-attempts", 3),
         help="decode instances tried per request when one fails before its first byte")
     add("--max-body-bytes", type=int, default=_env("max-body-bytes", 4 * 2**20))
-    add("--max-concurrency", type=int, default=_env("max-concurrency", 256))
+    add("--max-concurrency", type=int, default=_env("max-concurrency", 256),
+        help="requests in progress at once; more get 429")
+    add("--max-connections", type=int, default=_env("max-connections", 4096),
+        help="open client connections; more get a 503 and are closed")
+    add("--idle-timeout", type=float, default=_env("idle-timeout", 30.0),
+        help="seconds a client connection may stay idle, or take to send its request headers")
     add("--health-interval", type=float, default=_env("health-interval", 5.0))
     add("--health-timeout", type=float, default=_env("health-timeout", 2.0),
         help="one health check's limit; shorter than --health-interval")
@@ -65,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--etcd needs --prefix (the DisaggServing's registration prefix)")
     if not args.etcd and not (args.prefill and args.decode):
         parser.error("static discovery needs at least one --prefill and one --decode")
+    if args.max_connections < 1 or args.idle_timeout <= 0:
+        parser.error("--max-connections and --idle-timeout must be positive")
     if args.etcd:
         try:
             args.etcd_endpoints = split_endpoints(args.etcd)
@@ -85,7 +96,10 @@ def config(args: argparse.Namespace) -> ProxyConfig:
                        decode_attempts=args.decode_attempts, max_body_bytes=args.max_body_bytes,
                        max_concurrency=args.max_concurrency,
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
-                       eject_after=args.eject_after)
+                       eject_after=args.eject_after,
+                       # Keys come only from the environment (a Secret), never from flags.
+                       api_key=os.environ.get("DISAGG_PROXY_API_KEY") or None,
+                       backend_api_key=os.environ.get("DISAGG_PROXY_BACKEND_API_KEY") or None)
 
 
 def build(args: argparse.Namespace) -> Proxy:
@@ -93,6 +107,21 @@ def build(args: argparse.Namespace) -> Proxy:
         EtcdDiscovery(args.etcd_endpoints, args.prefix) if args.etcd
         else StaticDiscovery(args.prefill, args.decode))
     return Proxy(args.config, discovery)
+
+
+async def run(args: argparse.Namespace) -> None:
+    runner, listener = await serve(build(args).app(), args.host, args.port, args.idle_timeout,
+                                   args.max_connections)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    logging.getLogger("kvhelper.proxy").info("serving on %s:%d", args.host, args.port)
+    try:
+        await stop.wait()
+    finally:
+        listener.close()
+        await runner.cleanup()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    web.run_app(build(args).app(), host=args.host, port=args.port, handler_cancellation=True,
-                access_log=None, loop=loop)
+    with contextlib.closing(loop):
+        loop.run_until_complete(run(args))
 
 
 if __name__ == "__main__":

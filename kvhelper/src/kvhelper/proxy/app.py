@@ -15,7 +15,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -60,6 +60,11 @@ class ProxyConfig:
     health_interval: float = 5.0
     health_timeout: float = 2.0  # one health check; shorter than the interval
     eject_after: int = 2
+    # Clients must present this key (Authorization: Bearer ...); from a Secret, never a flag.
+    api_key: str | None = field(default=None, repr=False)
+    # The key the vLLM instances were started with (--api-key); without one, the client's own
+    # Authorization header is passed on.
+    backend_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not 0 < self.health_timeout < self.health_interval:
@@ -226,22 +231,41 @@ class Proxy:
 
     # -- endpoints -------------------------------------------------------------------------
 
+    def _authorize(self, request: web.Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("Authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ProxyError(401, "a valid API key is required (Authorization: Bearer ...)",
+                             "authentication_error")
+
+    def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        headers = {**JSON_HEADERS, REQUEST_ID: request_id}
+        if self.config.backend_api_key is not None:
+            headers["Authorization"] = f"Bearer {self.config.backend_api_key}"
+        elif self.config.api_key is None and "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        return headers
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         request_id = request[REQUEST_ID_KEY]
+        self._authorize(request)
         body = await _json_object(request)
         _check_completion(request.path, body)
         if self._slots.locked():
             raise ProxyError(429, "the proxy is at its concurrency limit; retry later",
                              "rate_limit_error")
         async with self._slots:
-            prefill_backend, kv_params = await self._prefill(request.path, body, request_id)
+            headers = self._upstream_headers(request, request_id)
+            prefill_backend, kv_params = await self._prefill(request.path, body, headers)
             decode_body = dict(body)
             if kv_params is not None:
                 decode_body["kv_transfer_params"] = kv_params
-            return await self._decode(request, prefill_backend, decode_body, request_id)
+            return await self._decode(request, prefill_backend, decode_body, headers)
 
     async def _prefill(self, path: str, body: dict[str, Any],
-                       request_id: str) -> tuple[Backend, Any]:
+                       headers: dict[str, str]) -> tuple[Backend, Any]:
         """Prefill on an instance that some healthy decode instance can pair with (no prefill
         is spent on a request no decode instance could take); an instance that fails before
         answering is given up for another, up to `prefill_attempts` in all."""
@@ -259,9 +283,9 @@ class Proxy:
                 self.metrics.retries.labels("prefill").inc()
             tried.append(backend)
             try:
-                params = await self._prefill_on(backend, path, body, request_id)
+                params = await self._prefill_on(backend, path, body, headers)
             except AttemptFailed as failed:
-                log.warning("[%s] %s; trying another prefill instance", request_id,
+                log.warning("[%s] %s; trying another prefill instance", headers[REQUEST_ID],
                             failed.error.message)
                 last = failed.error
                 continue
@@ -276,14 +300,14 @@ class Proxy:
         raise ProxyError(503, "no healthy prefill instance", "service_unavailable")
 
     async def _prefill_on(self, backend: Backend, path: str, body: dict[str, Any],
-                          request_id: str) -> Any:
+                          headers: dict[str, str]) -> Any:
         """One prefill attempt: decode's kv_transfer_params, or AttemptFailed when another
         instance could still serve the request, or the ProxyError to give the client."""
         backend.outstanding += 1
         try:
             async with self.session.post(f"{backend.url}{path}",
                                          data=_encode_json(prefill_request(body)),
-                                         headers={**JSON_HEADERS, REQUEST_ID: request_id},
+                                         headers=headers,
                                          timeout=self._prefill_timeout) as response:
                 raw = await response.read()
                 if response.status != 200:
@@ -317,7 +341,7 @@ class Proxy:
                                         "bad_gateway"))
 
     async def _decode(self, request: web.Request, prefill_backend: Backend,
-                      body: dict[str, Any], request_id: str) -> web.StreamResponse:
+                      body: dict[str, Any], headers: dict[str, str]) -> web.StreamResponse:
         """Decode on a compatible instance. An attempt that fails before any byte reached the
         client is retried on another compatible instance with the same kv_transfer_params (the
         pages stay in the store), up to `decode_attempts` in all."""
@@ -332,9 +356,9 @@ class Proxy:
                 self.metrics.retries.labels("decode").inc()
             tried.append(backend)
             try:
-                return await self._decode_on(request, backend, body, request_id)
+                return await self._decode_on(request, backend, body, headers)
             except AttemptFailed as failed:
-                log.warning("[%s] %s; trying another decode instance", request_id,
+                log.warning("[%s] %s; trying another decode instance", headers[REQUEST_ID],
                             failed.error.message)
                 last = failed.error
         if last is not None:
@@ -343,7 +367,7 @@ class Proxy:
                          f"{prefill_backend.url}", "service_unavailable")
 
     async def _decode_on(self, request: web.Request, backend: Backend, body: dict[str, Any],
-                         request_id: str) -> web.StreamResponse:
+                         upstream_headers: dict[str, str]) -> web.StreamResponse:
         """One decode attempt. Until its first byte, a stream waits at most
         `decode_first_byte_timeout`, and any request is given up when its instance is ejected:
         both are AttemptFailed, since nothing reached the client yet."""
@@ -358,7 +382,7 @@ class Proxy:
                                             if streaming else None):
                     upstream = await self.session.post(
                         f"{backend.url}{request.path}", data=_encode_json(body),
-                        headers={**JSON_HEADERS, REQUEST_ID: request_id},
+                        headers=upstream_headers,
                         timeout=self._decode_timeout)
                     if upstream.status != 200:
                         raise self._decode_refused(backend, upstream.status,
@@ -381,7 +405,7 @@ class Proxy:
                                         f"failed: {err}") from None
             self._decode_seconds.observe(time.perf_counter() - started)
             self.pool.request_succeeded(backend)
-            headers = {REQUEST_ID: request_id,
+            headers = {REQUEST_ID: upstream_headers[REQUEST_ID],
                        "Content-Type": upstream.headers.get("Content-Type", "application/json")}
             if not streaming:
                 finished = True
@@ -435,11 +459,13 @@ class Proxy:
         return ProxyError(502, f"decode instance {backend.url} failed: {err}", "bad_gateway")
 
     async def models(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request)
         backend = self.pool.pick("decode") or self.pool.pick("prefill")
         if backend is None:
             raise ProxyError(503, "no healthy instance", "service_unavailable")
+        headers = self._upstream_headers(request, request[REQUEST_ID_KEY])
         try:
-            async with self.session.get(f"{backend.url}/v1/models",
+            async with self.session.get(f"{backend.url}/v1/models", headers=headers,
                                         timeout=aiohttp.ClientTimeout(total=10)) as upstream:
                 return web.Response(body=await upstream.read(), status=upstream.status,
                                     content_type="application/json")
@@ -489,11 +515,11 @@ def _check_completion(path: str, body: dict[str, Any]) -> None:
             raise bad("`messages` must be a non-empty list of chat messages")
     elif not isinstance(body.get("prompt"), str | list):
         raise bad("`prompt` is required: a string, or a list of strings or token ids")
-    for field in ("max_tokens", "max_completion_tokens"):
-        value = body.get(field)
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
-            raise bad(f"`{field}` must be a whole number of at least 1, not {value!r}")
+            raise bad(f"`{name}` must be a whole number of at least 1, not {value!r}")
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
