@@ -28,6 +28,7 @@ KVHELPER_SOURCES = "\n".join(p.read_text() for p in (ROOT / "kvhelper" / "src").
 READ_ELSEWHERE = {
     "HF_HOME": "Hugging Face's cache location, read by vLLM",
     "HF_TOKEN": "the model hub token, read by vLLM's hub client",
+    "VLLM_API_KEY": "the key vLLM's OpenAI server requires (its --api-key)",
     "PYTHONHASHSEED": "Python itself; keeps xxhash block hashes equal across instances",
     "POD_NAME": "etcd's command line ($(POD_NAME), expanded by Kubernetes)",
 }

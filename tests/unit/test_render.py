@@ -130,3 +130,22 @@ def test_the_kv_cache_dtype_is_the_operators_and_the_same_on_both_roles() -> Non
         args = plan.vllm_args(role, spec)
         assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
     assert plan.compatibility_fingerprint(spec) != auto  # fp8 pages never meet bf16 ones
+
+
+def test_api_keys_reach_the_pods_only_as_secret_references() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "deepseek-v2-lite-1p2d.yaml").read_text())
+    doc["spec"]["vllmApiKeySecret"] = {"name": "serving-keys", "key": "vllm"}
+    doc["spec"]["proxy"] = {"apiKeySecret": {"name": "serving-keys", "key": "clients"}}
+    objects = render(Owner("x", "default", "u"), parse_spec(doc["spec"]), "img:1")
+    env = {o["metadata"]["name"]: {e["name"]: e for e in
+                                   o["spec"]["template"]["spec"]["containers"][0]["env"]}
+           for o in objects if o["kind"] == "Deployment"}
+    ref = {"secretKeyRef": {"name": "serving-keys", "key": "vllm"}}
+    assert env["x-prefill"]["VLLM_API_KEY"]["valueFrom"] == ref
+    assert env["x-decode"]["VLLM_API_KEY"]["valueFrom"] == ref
+    assert env["x-proxy"]["DISAGG_PROXY_BACKEND_API_KEY"]["valueFrom"] == ref
+    assert env["x-proxy"]["DISAGG_PROXY_API_KEY"]["valueFrom"] == {
+        "secretKeyRef": {"name": "serving-keys", "key": "clients"}}
+    assert "serving-keys" not in yaml.safe_dump(
+        [c["args"] for o in objects if o["kind"] == "Deployment"
+         for c in o["spec"]["template"]["spec"]["containers"]])

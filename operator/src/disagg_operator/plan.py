@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 from disagg_operator.association import ETCD, ETCD_CLIENT, MOONCAKE_MASTER, child_name
 from disagg_operator.quantity import parse_quantity
-from disagg_operator.spec import ConnectorName, DisaggServingSpec, RoleSpec
+from disagg_operator.spec import ConnectorName, DisaggServingSpec, RoleSpec, SecretKeyRef
 
 CONFIG_DIR = "/etc/disagg"
 MOONCAKE_CONFIG_FILE = "mooncake.json"
@@ -44,6 +44,11 @@ class SecretKey:
 
     name: str
     key: str
+    field: str  # the spec field that names the Secret, for messages
+
+    @classmethod
+    def of(cls, ref: SecretKeyRef, field: str) -> SecretKey:
+        return cls(ref.name, ref.key, field)
 
 
 EnvValue = str | PodIP | PodName | SecretKey
@@ -246,7 +251,10 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
         # The store's own address comes from POD_IP above (kvhelper.store).
         env.append(("MOONCAKE_CONFIG_PATH", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"))
     if spec.hf_token_secret is not None:
-        env.append(("HF_TOKEN", SecretKey(spec.hf_token_secret.name, spec.hf_token_secret.key)))
+        env.append(("HF_TOKEN", SecretKey.of(spec.hf_token_secret, "spec.hfTokenSecret")))
+    if spec.vllm_api_key_secret is not None:
+        env.append(("VLLM_API_KEY",
+                    SecretKey.of(spec.vllm_api_key_secret, "spec.vllmApiKeySecret")))
     main = Process(name="vllm", command=vllm_args(role, spec), env=tuple(env),
                    ports=(("http", VLLM_PORT),), health_path="/health")
     registrar = Process(
@@ -270,6 +278,14 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
 def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
                      registry_prefix: str) -> Component:
     port = spec.proxy.service.port
+    # Keys reach the proxy only through its environment, from Secrets (kvhelper.proxy).
+    env: list[tuple[str, EnvValue]] = []
+    if spec.proxy.api_key_secret is not None:
+        env.append(("DISAGG_PROXY_API_KEY",
+                    SecretKey.of(spec.proxy.api_key_secret, "spec.proxy.apiKeySecret")))
+    if spec.vllm_api_key_secret is not None:
+        env.append(("DISAGG_PROXY_BACKEND_API_KEY",
+                    SecretKey.of(spec.vllm_api_key_secret, "spec.vllmApiKeySecret")))
     main = Process(
         name="proxy",
         command=("python3", "-m", "kvhelper.proxy",
@@ -277,6 +293,7 @@ def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
                  "--routing", spec.proxy.routing,
                  "--etcd", ",".join(etcd_endpoints),
                  "--prefix", registry_prefix),
+        env=tuple(env),
         ports=(("http", port),),
         health_path="/health",
     )

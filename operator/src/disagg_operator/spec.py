@@ -229,6 +229,9 @@ class ServiceSpec(_Model):
 
 class ProxySpec(_Model):
     replicas: int = Field(default=1, ge=0)
+    api_key_secret: SecretKeyRef | None = Field(
+        default=None, description="Secret holding the API key clients must present to the "
+        "proxy (Authorization: Bearer ...); default: none.")
     routing: Literal["round-robin", "least-outstanding"] = Field(
         default="round-robin", description="How each phase picks an instance.")
     service: ServiceSpec = _obj("The client-facing Service.")
@@ -300,6 +303,9 @@ class DisaggServingSpec(_Model):
     image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
     hf_token_secret: SecretKeyRef | None = Field(
         default=None, description="Secret holding a Hugging Face token (exposed as HF_TOKEN).")
+    vllm_api_key_secret: SecretKeyRef | None = Field(
+        default=None, description="Secret holding the API key vLLM instances require "
+        "(VLLM_API_KEY); the proxy presents it to them.")
     kv_transfer: KVTransferSpec = _obj("How KV moves from prefill to decode.")
     prefill: RoleSpec = _obj("Prefill instances (kv_producer).")
     decode: RoleSpec = _obj("Decode instances (kv_consumer).")

@@ -131,9 +131,10 @@ def _env_value(value: EnvValue, instance: str, process: Process,
         for name, ref in process.env:
             if ref == value and name in caller_env:
                 return caller_env[name]
+        names = " or ".join(name for name, ref in process.env if ref == value)
         raise LocalPlanError(
-            f"spec.hfTokenSecret: Secret {value.name}/{value.key} cannot be read outside "
-            f"Kubernetes; export its value in your environment (e.g. HF_TOKEN) instead")
+            f"{value.field}: Secret {value.name}/{value.key} cannot be read outside "
+            f"Kubernetes; export its value in your environment ({names}) instead")
     return value
 
 
