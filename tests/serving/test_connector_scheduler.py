@@ -10,8 +10,11 @@ from typing import Any
 
 import pytest
 from kvhelper.connector.data import IDENTITY_KEY, PARAMS_KEY, PREFIX_HASH_KEY
+from kvhelper.connector.lookup import StoreHandshake, StoreLookup
 from kvhelper.connector.scheduler import SchedulerSide
 from kvhelper.connector_metrics import TransferStats
+from kvhelper.keys import block_key
+from kvhelper.store import MooncakeConfig, StoreError
 
 BLOCK = 16
 IDENTITY = {"model": "m", "mla": True, "block_size": BLOCK}
@@ -112,3 +115,65 @@ def test_prefill_stores_a_chunked_and_preempted_prompt_from_its_current_blocks()
     assert params is not None and params[PARAMS_KEY] == 5 * BLOCK
     assert params[PREFIX_HASH_KEY] == req.block_hashes[4].hex()
     assert producer.request_finished(req) is None  # the record is gone
+
+
+class FakeStore:
+    """A stand-in for the Mooncake client (named as such): the keys it holds, or down."""
+
+    def __init__(self, keys: set[str]) -> None:
+        self.keys, self.down, self.asked = keys, False, 0
+
+    def exists(self, keys: list[str], strict: bool = False) -> list[bool]:
+        self.asked += 1
+        if self.down:
+            raise StoreError("checking which KV blocks are stored", -900)
+        return [key in self.keys for key in keys]
+
+    def close(self) -> None:
+        pass
+
+
+def lookup_over(store: FakeStore, shards: int | None, clock: list[float]) -> StoreLookup:
+    config = MooncakeConfig(master_server_address="127.0.0.1:1", local_hostname="127.0.0.1")
+    lookup = StoreLookup(config, connect=lambda _: store, clock=lambda: clock[0])  # type: ignore[arg-type,return-value]
+    lookup.set_layout(StoreHandshake("fp", shards))
+    return lookup
+
+
+def test_a_lookup_counts_leading_blocks_held_in_full_and_pauses_after_a_failure() -> None:
+    hashes = [bytes([i]) * 8 for i in range(4)]
+    held = {block_key("fp", h.hex(), (2, s)) for h in hashes[:3] for s in (0, 1)}
+    held.discard(block_key("fp", hashes[2].hex(), (2, 1)))  # block 2 lacks a shard
+    store, clock = FakeStore(held), [0.0]
+    lookup = lookup_over(store, 2, clock)
+    assert lookup.stored_blocks(hashes) == 2
+    store.down = True
+    assert lookup.stored_blocks(hashes) is None  # failed: computed, never held up
+    asked = store.asked
+    clock[0] = 5.0
+    assert lookup.stored_blocks(hashes) == 0 and store.asked == asked  # paused
+    store.down, clock[0] = False, 11.0
+    assert lookup.stored_blocks(hashes) == 2
+
+
+def test_prefill_loads_the_stored_blocks_after_its_own_cached_ones() -> None:
+    req = request("r", 6 * BLOCK + 1, {"do_remote_decode": True})
+    store = FakeStore({block_key("fp", h.hex()) for h in req.block_hashes[:5]})
+    producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=False,
+                             stats=TransferStats(), lookup=lookup_over(store, None, [0.0]))
+    assert producer.get_num_new_matched_tokens(req, 2 * BLOCK) == (3 * BLOCK, False)
+    producer.update_state_after_alloc(req, blocks(list(range(10, 17))), 3 * BLOCK)
+    (load,) = producer.build_connector_meta(step({})).loads
+    assert load.block_ids == [12, 13, 14]  # after the two blocks it had cached itself
+    # Resumed after preemption: computed, not loaded again.
+    assert producer.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_no_lookup_before_the_workers_say_how_keys_are_made() -> None:
+    config = MooncakeConfig(master_server_address="127.0.0.1:1", local_hostname="127.0.0.1")
+    store = FakeStore(set())
+    lookup = StoreLookup(config, connect=lambda _: store)  # type: ignore[arg-type,return-value]
+    producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=True,
+                             stats=TransferStats(), lookup=lookup)
+    assert producer.get_num_new_matched_tokens(request("r", 5 * BLOCK), 0) == (0, False)
+    assert store.asked == 0

@@ -30,10 +30,15 @@ COUNTERS = {
     "blocks_skipped": "KV block values not stored because the store already had them",
     "blocks_store_failed": "KV block values that could not be stored",
     "bytes_stored": "KV bytes stored",
+    # Prefill's own lookups: new prompts looked up in the store, and leading blocks found.
+    "lookups": "New prompts looked up in the store before computing them",
+    "lookup_hit_blocks": "Leading KV blocks of looked-up prompts found in the store (loaded)",
+    "lookups_failed": "Lookups the store could not answer (the prompt was computed)",
 }
 DURATIONS = {
     "load_seconds": "Time to load one request's KV (store read and scatter into the cache)",
     "store_seconds": "Time to store one request's KV (gather, existence check and write)",
+    "lookup_seconds": "Time to look up one new prompt's leading blocks in the store",
 }
 BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
 )
@@ -50,10 +51,12 @@ from kvhelper.connector.data import (
     PREFIX_HASH_KEY,
     MooncakeStoreConnectorMetadata,
 )
+from kvhelper.connector.lookup import StoreHandshake, StoreLookup
 from kvhelper.connector.scheduler import SchedulerSide
 from kvhelper.connector.settings import ConnectorSettings
 from kvhelper.connector.worker import WorkerSide
 from kvhelper.connector_metrics import TransferPromMetrics, TransferStats
+from kvhelper.store import MooncakeConfig
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -86,9 +89,12 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             self._worker = WorkerSide(vllm_config, self.settings, self.stats)
         else:
+            lookup = (StoreLookup(MooncakeConfig.load(self.settings.raw))
+                      if self.settings.store_lookup and transfer.is_kv_producer else None)
             self._scheduler = SchedulerSide(
                 int(vllm_config.cache_config.block_size), bool(transfer.is_kv_producer),
-                bool(transfer.is_kv_consumer), identity, self.settings.load_async, self.stats)
+                bool(transfer.is_kv_consumer), identity, self.settings.load_async, self.stats,
+                lookup)
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -113,6 +119,13 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        """The workers' store layout (every rank's is the same for lookups): keys to ask."""
+        handshake = next((m for m in metadata.values() if isinstance(m, StoreHandshake)), None)
+        if handshake is not None:
+            self.scheduler.set_layout(handshake)
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saving happened in the forward pass that finished the prompt: the blocks can go.
@@ -127,6 +140,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self.worker.handshake()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._metadata())
@@ -167,3 +183,5 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

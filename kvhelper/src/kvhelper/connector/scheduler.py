@@ -5,6 +5,7 @@ vLLM's scheduler process and only describes work for the workers."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvhelper import compat
@@ -16,6 +17,7 @@ from kvhelper.connector.data import (
     RequestRecord,
     Transfer,
 )
+from kvhelper.connector.lookup import StoreHandshake, StoreLookup
 from kvhelper.connector_metrics import TransferStats
 
 if TYPE_CHECKING:
@@ -28,12 +30,15 @@ log = logging.getLogger("vllm.kvhelper.connector")
 
 class SchedulerSide:
     def __init__(self, block_size: int, is_producer: bool, is_consumer: bool,
-                 identity: dict[str, Any], load_async: bool, stats: TransferStats) -> None:
+                 identity: dict[str, Any], load_async: bool, stats: TransferStats,
+                 lookup: StoreLookup | None = None) -> None:
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.identity = identity
         self.load_async = load_async
         self.stats = stats
+        # Asked for requests that carry no prefill parameters, on instances that prefill.
+        self.lookup = lookup if is_producer else None
         self._records: dict[str, RequestRecord] = {}
         self._loads: list[Transfer] = []
 
@@ -51,7 +56,7 @@ class SchedulerSide:
         load: the whole blocks prefill stored, short of the prompt's last token."""
         params = request.kv_transfer_params or {}
         if not (self.is_consumer and params.get("do_remote_prefill")):
-            return 0, False
+            return self._stored_prefix(request, num_computed_tokens)
         record = self._record(request)
         if record.refused or record.load_scheduled:
             return 0, False
@@ -67,6 +72,36 @@ class SchedulerSide:
         external = max(0, blocks * self.block_size - num_computed_tokens)
         record.local_hit_tokens = num_computed_tokens if external else None
         return external, self.load_async and external > 0
+
+    def _stored_prefix(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens after the local prefix-cache hit whose blocks the store holds, whoever
+        stored them (prefill's own lookup)."""
+        if self.lookup is None or not self.lookup.ready:
+            return 0, False
+        record = self._record(request)
+        if record.load_scheduled:  # resumed after preemption: the pages may be gone
+            return 0, False
+        first = num_computed_tokens // self.block_size
+        # vLLM must compute at least the last prompt token itself.
+        last = min(len(request.block_hashes), (request.num_prompt_tokens - 1) // self.block_size)
+        if last <= first:
+            return 0, False
+        started = time.perf_counter()
+        found = self.lookup.stored_blocks([bytes(h) for h in request.block_hashes[first:last]])
+        self.stats.observe("lookup_seconds", time.perf_counter() - started)
+        self.stats.count("lookups")
+        if found is None:
+            self.stats.count("lookups_failed")
+        if not found:
+            return 0, False
+        self.stats.count("lookup_hit_blocks", found)
+        record.local_hit_tokens = num_computed_tokens
+        external = found * self.block_size
+        return external, self.load_async
+
+    def set_layout(self, handshake: StoreHandshake) -> None:
+        if self.lookup is not None:
+            self.lookup.set_layout(handshake)
 
     def _compatible(self, request: Request, params: dict[str, Any], stored_blocks: int) -> bool:
         theirs = params.get(IDENTITY_KEY)
@@ -149,3 +184,7 @@ class SchedulerSide:
                 PARAMS_KEY: record.saved_tokens, IDENTITY_KEY: self.identity,
                 PREFIX_HASH_KEY: record.prefix_hash, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+    def shutdown(self) -> None:
+        if self.lookup is not None:
+            self.lookup.close()

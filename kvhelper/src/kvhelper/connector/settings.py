@@ -28,6 +28,9 @@ class ConnectorSettings:
     transfer: Transfer = "auto"
     staging_buffer_bytes: int = DEFAULT_STAGING_BYTES
     store_tp_size: int | None = None  # head shards per K/V block; None: the TP size
+    # Prefill and kv_both instances look in the store for a new prompt's leading blocks and
+    # load those instead of computing them.
+    store_lookup: bool = True
     # The whole extra config, read-only (Mooncake's keys are kvhelper.store's to read).
     raw: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -50,8 +53,12 @@ class ConnectorSettings:
         if shards is not None and not _positive_int(shards):
             raise SettingsError("kv_connector_extra_config.store_tp_size must be a positive "
                                 f"integer, not {shards!r}")
+        store_lookup = extra.get("store_lookup", True)
+        if not isinstance(store_lookup, bool):
+            raise SettingsError("kv_connector_extra_config.store_lookup must be true or false, "
+                                f"not {store_lookup!r}")
         return cls(load_async=load_async, transfer=transfer, staging_buffer_bytes=staging,
-                   store_tp_size=shards, raw=MappingProxyType(extra))
+                   store_tp_size=shards, store_lookup=store_lookup, raw=MappingProxyType(extra))
 
 
 def _positive_int(value: Any) -> bool:

@@ -14,6 +14,7 @@ from vllm.distributed import get_tensor_model_parallel_rank
 
 from kvhelper.block_io import DirectBlockIO, LoadJob, StagedBlockIO, value_keys
 from kvhelper.connector.data import LoadOutcome, MooncakeStoreConnectorMetadata, Transfer
+from kvhelper.connector.lookup import StoreHandshake
 from kvhelper.connector.settings import ConnectorSettings
 from kvhelper.connector_metrics import TransferStats
 from kvhelper.layout import LayoutError, ModelKVSpec, describe_kv_caches
@@ -83,6 +84,12 @@ class WorkerSide:
                  "rank-agnostic pages" if sharding is None else
                  f"store shards {list(sharding.shard_ids)} of {sharding.shards}"
                  + ("" if sharding.writes else " (read only: another rank stores these heads)"))
+
+    def handshake(self) -> StoreHandshake:
+        """How this instance's keys are made, for the scheduler side's lookups."""
+        assert self._mover is not None, "register_kv_caches has not run"
+        return StoreHandshake(self._fingerprint,
+                              None if self._sharding is None else self._sharding.shards)
 
     def _keys(self, hashes: list[str]) -> list[str]:
         return value_keys(self._fingerprint, hashes, self._sharding)

@@ -1,0 +1,118 @@
+"""The store as a cluster-wide KV cache (real vLLM, CPU build, real Mooncake): a prefill instance
+looks in the store before it computes, loads the longest stored run of its prompt's leading
+blocks (whoever stored them), and computes only the rest. Engines run one after another, each
+in its own process, as separate instances would:
+
+    prefill A   stores prompt X
+    prefill B   another instance: prompt Y shares X's first 512 tokens; it loads them and
+                computes the rest; the same prompt with another cache_salt loads nothing
+    decode      loads Y's pages through B's transfer parameters
+
+Decode's greedy tokens must equal a single instance's. Negative control: with one page of the
+reused prefix corrupted in the store before B runs, they must differ.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kvhelper.keys import block_key
+
+from .engines import (
+    connector_config,
+    fingerprint_in,
+    loaded_blocks,
+    prefill,
+    read_value,
+    run_engine,
+    store_client,
+)
+
+PROMPT_TOKENS = 612
+SHARED_PREFIX = 512
+BLOCK_SIZE = {"gqa": 32, "mla": 16}
+
+
+def prompts(shared: int) -> tuple[list[int], list[int]]:
+    """X, and Y sharing X's first `shared` tokens."""
+    rng = random.Random(11)
+    x = [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS)]
+    y = x[:shared] + [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS - shared)]
+    return x, y
+
+
+def request(kind: str, model: Path, prompt_list: list[Any]) -> dict[str, Any]:
+    return {"model": str(model), "block_size": BLOCK_SIZE[kind], "prompts": prompt_list,
+            "one_at_a_time": True, "max_model_len": 1024}
+
+
+def single_instance(kind: str, model: Path, shared: int, tmp: Path) -> list[int]:
+    """One ordinary instance with its own prefix cache, serving X, then Y (over X's cached
+    prefix, as prefill B computes it over the loaded one), then Y again over its cached
+    blocks (as decode computes it): that last answer."""
+    x, y = prompts(shared)
+    result, _ = run_engine(tmp, "single", {**request(kind, model, [x, y, y]), "max_tokens": 8,
+                                           "prefix_caching": True})
+    return list(result["token_ids"][2])
+
+
+def run_pipeline(kind: str, model: Path, master: str, tmp: Path, shared: int,
+                 corrupt: bool = False) -> tuple[list[int], str, str]:
+    """Prefill A stores X; prefill B serves Y (and Y salted); decode loads Y. Decode's tokens
+    for Y, and the logs of B and decode."""
+    x, y = prompts(shared)
+    a_params, a_log = prefill(tmp / "a", request(kind, model, [x]), master)
+    if corrupt:  # flip the sign bits of the last page X stored for decode, shared with Y
+        corrupt_page(master, fingerprint_in(a_log), a_params[0]["kvhelper_prefix_hash"], kind)
+    salted = {"prompt_token_ids": y, "cache_salt": "another-tenant"}
+    b_params, b_log = prefill(tmp / "b", request(kind, model, [y, salted]), master)
+    result, decode_log = run_engine(tmp / "decode", "decode", {
+        **request(kind, model, [y]), "max_tokens": 8,
+        "kv_transfer_config": connector_config("kv_consumer", master),
+        "kv_transfer_params": b_params[:1]})
+    return result["token_ids"][0], b_log, decode_log
+
+
+def corrupt_page(master: str, fingerprint: str, block_hash: str, kind: str) -> None:
+    key = block_key(fingerprint, block_hash, None if kind == "mla" else (1, 0))
+    with store_client(master) as client:
+        page = read_value(client, key)
+        page.view(torch.int16).bitwise_xor_(-0x8000)
+        client.remove(key, force=True)  # our own read just took a lease on it
+        client.register(page)
+        assert client.put([key], [page.data_ptr()], [page.numel()]).stored == [key]
+        client.unregister(page)
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_a_prefill_instance_reuses_a_prefix_another_instance_stored(
+        kind, tiny_models, mooncake, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    model = shutil.copytree(tiny_models[kind], tmp_path / f"{kind}-reuse")  # pages of its own
+    for folder in ("a", "b", "decode", "single"):
+        (tmp_path / folder).mkdir()
+    tokens, b_log, decode_log = run_pipeline(kind, model, mooncake, tmp_path, SHARED_PREFIX)
+    # B loaded the shared prefix for Y, and nothing for the salted Y (another tenant).
+    assert loaded_blocks(b_log) == [SHARED_PREFIX // BLOCK_SIZE[kind]], b_log[-3000:]
+    assert loaded_blocks(decode_log) == [(PROMPT_TOKENS - 1) // BLOCK_SIZE[kind]]
+    assert tokens == single_instance(kind, model, SHARED_PREFIX, tmp_path / "single")
+
+
+def test_a_corrupted_reused_page_changes_the_output(tiny_models, mooncake, tmp_path,
+                                                    monkeypatch) -> None:
+    """Negative control for the equality above: Y shares every page X stored, the last one
+    corrupted in the store; B reuses it, and decode's answer must differ from the single
+    instance's."""
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-corrupt")
+    for folder in ("a", "b", "decode", "single"):
+        (tmp_path / folder).mkdir()
+    shared = (PROMPT_TOKENS - 1) // 32 * 32
+    tokens, b_log, _ = run_pipeline("gqa", model, mooncake, tmp_path, shared, corrupt=True)
+    assert loaded_blocks(b_log) == [shared // 32], b_log[-3000:]
+    assert tokens != single_instance("gqa", model, shared, tmp_path / "single")
