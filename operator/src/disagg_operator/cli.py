@@ -61,17 +61,30 @@ def render_cmd(path: Path, namespace: str, default_image: str) -> None:
 @click.option("--log-format", type=click.Choice(["plain", "full", "json"]), default="full",
               show_default=True)
 @click.option("--verbose", is_flag=True, help="Log every API call kopf makes.")
+@click.option("--etcd-address", "etcd_addresses", multiple=True, metavar="ENDPOINT=HOST:PORT",
+              help="Where to reach an etcd endpoint whose cluster name does not resolve here "
+              "(an operator run outside the cluster, e.g. through kubectl port-forward); "
+              "repeatable.")
 def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: float,
             cluster_domain: str, metrics_port: int, health_port: int, log_format: str,
-            verbose: bool) -> None:
+            verbose: bool, etcd_addresses: tuple[str, ...]) -> None:
     """Run the operator against the cluster of $KUBECONFIG or the pod's service account."""
+    overrides = {}
+    for item in etcd_addresses:
+        endpoint, sep, address = item.partition("=")
+        if not sep or ":" not in address:
+            raise click.BadParameter(f"{item!r}: give ENDPOINT=HOST:PORT, e.g. "
+                                     "x-etcd-client.ns.svc.cluster.local:2379=127.0.0.1:2379",
+                                     param_hint="--etcd-address")
+        overrides[endpoint] = address
     import kopf
 
     from disagg_operator.handlers import OperatorConfig, registry
 
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat[log_format.upper()])
     config = OperatorConfig(default_image=default_image, resync_seconds=resync_seconds,
-                            cluster_domain=cluster_domain, metrics_port=metrics_port or None)
+                            cluster_domain=cluster_domain, metrics_port=metrics_port or None,
+                            etcd_address_overrides=overrides)
     kopf.run(registry=registry, standalone=True, clusterwide=not namespaces,
              namespaces=list(namespaces), memo=kopf.Memo(config=config),
              liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)

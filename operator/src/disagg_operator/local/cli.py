@@ -37,6 +37,27 @@ def load(path: Path, model: str | None) -> tuple[str, DisaggServingSpec]:
         raise click.ClickException(f"{path}: {err}") from None
 
 
+SERVING_MODULES = ("vllm", "kvhelper", "mooncake")
+
+
+def check_serving_python(python: str) -> None:
+    """The processes need vLLM, kvhelper and Mooncake: say which Python to use, up front,
+    instead of a traceback from the first process that starts."""
+    probe = ("import importlib.util, sys; sys.stdout.write(' '.join(m for m in sys.argv[1:] "
+             "if importlib.util.find_spec(m) is None))")
+    try:
+        found = subprocess.run([python, "-c", probe, *SERVING_MODULES], capture_output=True,
+                               text=True, timeout=60)
+    except OSError as err:
+        raise click.ClickException(f"--python {python}: {err}") from None
+    missing = found.stdout.split() if found.returncode == 0 else list(SERVING_MODULES)
+    if missing:
+        raise click.ClickException(
+            f"{python} lacks {', '.join(missing)}: local deployments run in the serving "
+            "environment; use .venv-serving/bin/disagg-operator (make run sets it up), or "
+            "--python with a Python that has vLLM, kvhelper and Mooncake")
+
+
 def with_tiny_model(spec: DisaggServingSpec, folder: RunFolder, python: str
                     ) -> DisaggServingSpec:
     """`spec.model.name: tiny-mla` or `tiny-gqa` (and no such folder here) means the
@@ -76,6 +97,7 @@ def up_cmd(path: Path, run_dir: Path | None, model: str | None, python: str,
            proxy_port: int | None, timeout: float) -> None:
     """Start everything PATH describes and print the proxy's URL."""
     name, spec = load(path, model)
+    check_serving_python(python)
     folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / name)
     spec = with_tiny_model(spec, folder, python)
     url = _up(name, spec, folder, python, proxy_port, timeout)
@@ -120,6 +142,7 @@ def demo_cmd(path: Path, run_dir: Path | None, python: str, prompt: str) -> None
     """Generate a tiny model, start PATH (default: 1 prefill + 2 decode) with it, send one
     completion through the proxy, print it, and stop everything."""
     name, spec = load(path, None)
+    check_serving_python(python)
     folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / name)
     spec = with_tiny_model(spec, folder, python)
     started = time.monotonic()

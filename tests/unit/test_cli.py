@@ -1,0 +1,36 @@
+"""The command line's own checks, run in the operator's environment (no vLLM here)."""
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from disagg_operator.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_local_from_an_environment_without_vllm_says_which_to_use(command: str,
+                                                                   tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["local", command, str(ROOT / "examples/tiny-gqa-1p2d.yaml"),
+                                       "--run-dir", str(tmp_path), "--python", sys.executable])
+    assert result.exit_code == 1, result.output  # a message, not a traceback
+    assert "lacks vllm" in result.output and ".venv-serving/bin/disagg-operator" in result.output
+    assert "Traceback" not in result.output
+    assert not any(tmp_path.iterdir())  # nothing was started or generated
+
+
+def test_run_takes_etcd_addresses_for_an_operator_outside_the_cluster(monkeypatch) -> None:
+    import kopf
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(kopf, "run", lambda **kwargs: seen.update(kwargs))
+    endpoint = "x-etcd-client.serving.svc.cluster.local:2379"
+    result = CliRunner().invoke(main, ["run", "--etcd-address", f"{endpoint}=127.0.0.1:2379",
+                                       "--metrics-port", "0", "--health-port", "0"])
+    assert result.exit_code == 0, result.output
+    assert seen["memo"].config.etcd_address_overrides == {endpoint: "127.0.0.1:2379"}
+    result = CliRunner().invoke(main, ["run", "--etcd-address", "nonsense"])
+    assert result.exit_code == 2 and "ENDPOINT=HOST:PORT" in result.output
