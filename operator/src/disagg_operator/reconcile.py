@@ -103,12 +103,37 @@ def first_difference(desired: Any, live: Any, path: str) -> str | None:
     return path
 
 
+@dataclass
+class WrittenStatus:
+    """What this reconciler last wrote to one object's status, and the statuses that write
+    superseded. A snapshot still showing a superseded one is stale (the write has not come
+    back through the watch yet): the last write is what the object holds, so it is neither
+    written nor announced again."""
+    last: dict[str, Any] | None = None
+    superseded: list[dict[str, Any]] = field(default_factory=list)
+    keep: int = 8
+
+    def current(self, seen: dict[str, Any]) -> dict[str, Any]:
+        if self.last is not None and seen in self.superseded:
+            return self.last
+        return seen
+
+    def wrote(self, seen: dict[str, Any], previous: dict[str, Any],
+              status: dict[str, Any]) -> None:
+        for old in (seen, previous):
+            if old != status and old not in self.superseded:
+                self.superseded.append(old)
+        self.superseded = self.superseded[-self.keep:]
+        self.last = status
+
+
 class Reconciler:
     def __init__(self, api: ClusterApi, etcd: EtcdHealthChecker, default_image: str,
                  cluster_domain: str = "cluster.local",
                  clock: Callable[[], str] = _utcnow) -> None:
         self.api = api
         self.etcd = etcd
+        self._written: dict[str, WrittenStatus] = {}
         self.default_image = default_image
         self.cluster_domain = cluster_domain
         self.clock = clock
@@ -130,7 +155,9 @@ class Reconciler:
         meta = body["metadata"]
         owner = Owner(meta["name"], meta["namespace"], meta["uid"])
         generation = int(meta.get("generation") or 1)
-        previous = dict(body.get("status") or {})
+        seen = dict(body.get("status") or {})
+        written = self._written.setdefault(owner.uid, WrittenStatus())
+        previous = written.current(seen)
         try:
             # The API server's CEL rule says the same; re-checked, as every rule is here.
             if problem := name_problem(owner.name):
@@ -139,7 +166,7 @@ class Reconciler:
         except InvalidSpecError as err:
             status = invalid_spec_status(previous, generation, str(err), self.clock())
             result = ReconcileResult(status=status, error=str(err))
-            return await self._finish(owner, previous, result)
+            return await self._finish(owner, seen, previous, result)
 
         desired = [with_applied_hash(m)
                    for m in render(owner, spec, self.default_image, self.cluster_domain)]
@@ -180,14 +207,15 @@ class Reconciler:
             endpoint=self._endpoint(owner, spec), apply_error=apply_error)
         result.status = compute_status(observation, previous, self.clock())
         result.error = apply_error
-        return await self._finish(owner, previous, result)
+        return await self._finish(owner, seen, previous, result)
 
-    async def _finish(self, owner: Owner, previous: dict[str, Any],
+    async def _finish(self, owner: Owner, seen: dict[str, Any], previous: dict[str, Any],
                       result: ReconcileResult) -> ReconcileResult:
         if result.status != previous:
             patch = {**result.status, **{k: None for k in previous if k not in result.status}}
             await self.api.patch_status(owner.namespace, owner.name, patch)
             result.status_written = True
+            self._written[owner.uid].wrote(seen, previous, result.status)
         result.events = transition_events(previous, result.status)
         return result
 
