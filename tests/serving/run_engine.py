@@ -7,7 +7,9 @@ REQUEST: {"model", "block_size", "prompts" (texts, lists of token ids, or vLLM p
           "kv_transfer_params" (list, one per prompt, or null),
           "warm_prefix_cache" (optional: run each prompt once first, from scratch, with prefix
           caching, so the reported run reuses its cached full blocks; that first, cold run
-          is reported as "cold_token_ids"),
+          is reported as "cold_token_ids"; with "over_earlier_prompts", that first run reuses
+          the blocks earlier prompts left in the prefix cache, as a prefill instance reuses
+          the blocks other instances stored),
           "prefix_caching" (optional: keep vLLM's prefix cache on, for MLA too),
           "tensor_parallel_size" (optional, default 1: with more, worker processes),
           "one_at_a_time" (optional: each prompt alone, not batched with the others),
@@ -88,9 +90,11 @@ def main() -> None:
     outputs, cold = [], []
     for group in groups:
         if request.get("warm_prefix_cache"):
-            # From scratch, as a prefill instance computes it: not over another prompt's
-            # cached blocks (vLLM's CPU MLA kernels write slightly other latents that way).
-            llm.reset_prefix_cache()
+            # From scratch, as a prefill instance with nothing stored computes it: not over
+            # another prompt's cached blocks (vLLM's CPU MLA kernels write slightly other
+            # latents that way), unless "over_earlier_prompts" asks for just that.
+            if not request.get("over_earlier_prompts"):
+                llm.reset_prefix_cache()
             cold += llm.generate([prompts[i] for i in group], sampling(None))
         outputs += llm.generate([prompts[i] for i in group],
                                 [sampling(params[i]) for i in group])
