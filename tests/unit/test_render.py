@@ -149,3 +149,26 @@ def test_api_keys_reach_the_pods_only_as_secret_references() -> None:
     assert "serving-keys" not in yaml.safe_dump(
         [c["args"] for o in objects if o["kind"] == "Deployment"
          for c in o["spec"]["template"]["spec"]["containers"]])
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,extra,field", [
+    (3, 2, {}, "spec.prefill.tensorParallelSize"),  # 3 does not split 8 heads
+    (2, 2, {"store_tp_size": 3}, "spec.kvTransfer.extraConfig.store_tp_size"),
+    (4, 2, {}, None),  # store_tp_size 4: shards of 2 heads, inside one rank of each
+    (1, 2, {"store_tp_size": 16}, None),  # capped at the 8 heads
+])
+def test_tp_sizes_and_store_shards_are_checked_against_the_kv_heads(
+        prefill_tp: int, decode_tp: int, extra: dict, field: str | None) -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "llama-1p1d.yaml").read_text())
+    spec = {**doc["spec"], "model": {**doc["spec"]["model"], "kvHeads": 8},
+            "prefill": {"tensorParallelSize": prefill_tp},
+            "decode": {"tensorParallelSize": decode_tp},
+            "kvTransfer": {"extraConfig": extra}}
+    if field is None:
+        parse_spec(spec)
+        return
+    with pytest.raises(InvalidSpecError) as err:
+        parse_spec(spec)
+    assert str(err.value).startswith(field) and "8 KV heads" in str(err.value)
+    spec["model"].pop("kvHeads")  # without the head count the operator cannot tell
+    parse_spec(spec)

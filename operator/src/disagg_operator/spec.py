@@ -8,6 +8,7 @@ also checked here, so an API server without CEL (or the emulator) cannot let the
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
@@ -105,6 +106,10 @@ class ModelSpec(_Model):
     # The block sizes vLLM's CacheConfig accepts (tokens per KV page).
     block_size: Literal[1, 8, 16, 32, 64, 128, 256] = Field(
         default=16, description="KV page size in tokens; prefill and decode always share it.")
+    kv_heads: int | None = Field(
+        default=None, ge=1, description="The model's K/V heads (num_key_value_heads in its "
+        "config), for K/V models: lets the operator check the TP sizes and store_tp_size "
+        "before any pod starts. Leave unset for MLA models (DeepSeek), whose pages are whole.")
     kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
                             "fp8_ds_mla"] = Field(
         default="auto", description="KV cache dtype (vLLM's --kv-cache-dtype), the same on "
@@ -345,11 +350,52 @@ class InvalidSpecError(ValueError):
 def parse_spec(raw: dict[str, Any] | None) -> DisaggServingSpec:
     """Validate a raw spec; raise InvalidSpecError naming the first bad field."""
     try:
-        return DisaggServingSpec.model_validate(raw or {})
+        spec = DisaggServingSpec.model_validate(raw or {})
     except ValidationError as err:
         first = err.errors()[0]
         where = ".".join(str(part) for part in first["loc"])
         raise InvalidSpecError(where, _humanize(first)) from None
+    check_kv_heads(spec)
+    return spec
+
+
+def check_kv_heads(spec: DisaggServingSpec) -> None:
+    """With model.kvHeads given, what the kvhelper connector would refuse at start-up
+    (kvhelper.tp): TP sizes that do not split the heads, and a store_tp_size that does not
+    divide them or would put a shard across two ranks."""
+    heads = spec.model.kv_heads
+    if heads is None:
+        return
+    roles = {"prefill": spec.prefill.tensor_parallel_size,
+             "decode": spec.decode.tensor_parallel_size}
+    for role, tp in roles.items():
+        if (heads % tp if heads >= tp else tp % heads):
+            raise InvalidSpecError(
+                f"{role}.tensorParallelSize",
+                f"TP {tp} does not split the model's {heads} KV heads (model.kvHeads): use a "
+                f"divisor or a multiple of {heads}")
+    if spec.kv_transfer.connector != ConnectorName.MOONCAKE_STORE:
+        return
+    requested = spec.kv_transfer.extra_config.get("store_tp_size")
+    if requested is None and len(set(roles.values())) > 1:
+        requested, field = math.lcm(*roles.values()), "prefill.tensorParallelSize"
+        why = (f"the TP sizes {roles['prefill']} (prefill) and {roles['decode']} (decode) "
+               f"need store_tp_size {requested}, their least common multiple, which")
+    else:
+        field = "kvTransfer.extraConfig.store_tp_size"
+        why = f"store_tp_size {requested}"
+    if not isinstance(requested, int) or isinstance(requested, bool):
+        return  # each instance uses its own TP size: always consistent
+    shards = min(requested, heads)
+    per_shard = heads // shards if heads % shards == 0 else 0
+    spans = [role for role, tp in roles.items()
+             if per_shard and (heads // tp if heads >= tp else 1) % per_shard]
+    if not per_shard or spans:
+        raise InvalidSpecError(field, (
+            f"{why} does not divide the model's {heads} KV heads" if not per_shard else
+            f"{why} puts a shard across two {spans[0]} ranks") + "; pick TP sizes whose least "
+            f"common multiple divides {heads}, or set kvTransfer.extraConfig.store_tp_size to "
+            f"a divisor of {heads} that is a multiple of every TP size")
 
 
 def _humanize(error: Any) -> str:
