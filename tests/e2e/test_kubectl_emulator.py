@@ -73,3 +73,28 @@ async def test_invalid_block_size_is_rejected_at_the_api(cluster, tmp_path: Path
     assert "spec.model.blockSize" in result.stderr
     listed = await kubectl(env, "get", "disaggservings", "-o", "name")
     assert "bad" not in listed.stdout
+
+
+async def test_json_patches_are_validated_and_bump_the_generation(cluster) -> None:
+    emu, env = cluster
+    assert (await kubectl(env, "apply", "-f",
+                          str(ROOT / "examples/deepseek-v2-lite-1p2d.yaml"))).returncode == 0
+
+    async def generation() -> str:
+        return (await kubectl(env, "get", "disaggserving", "dsv2-lite", "-o",
+                              "jsonpath={.metadata.generation}")).stdout
+
+    before = await generation()
+    bad = await kubectl(env, "patch", "disaggserving", "dsv2-lite", "--type=json", "-p",
+                        '[{"op": "replace", "path": "/spec/model/blockSize", "value": 17}]')
+    assert bad.returncode != 0 and "spec.model.blockSize" in bad.stderr
+    failed_test = await kubectl(env, "patch", "disaggserving", "dsv2-lite", "--type=json", "-p",
+                                '[{"op": "test", "path": "/spec/decode/replicas", "value": 9},'
+                                ' {"op": "replace", "path": "/spec/decode/replicas", "value": 3}]')
+    assert failed_test.returncode != 0
+    assert "the server rejected our request" in failed_test.stderr  # a 422, as kube answers
+    assert await generation() == before
+    good = await kubectl(env, "patch", "disaggserving", "dsv2-lite", "--type=json", "-p",
+                         '[{"op": "replace", "path": "/spec/decode/replicas", "value": 3}]')
+    assert good.returncode == 0, good.stderr
+    assert int(await generation()) == int(before) + 1

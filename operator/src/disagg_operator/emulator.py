@@ -22,6 +22,8 @@ from typing import Any, Literal
 
 import aiohttp.web
 import attrs
+import jsonpatch
+import jsonpointer
 import jsonschema
 import kmock
 from jsonpath_ng.ext import parse as jsonpath_parse  # type: ignore[attr-defined]
@@ -279,6 +281,26 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def _prepare_write(self, request: rendering.Request) -> rendering.Request:
         res = request.resource
         assert res is not None
+        if request.method == enums.method.PATCH and isinstance(request.data, list):
+            # A JSON patch (kubectl patch --type=json, kopf's finalizers): applied here, so
+            # that it is validated and bumps the generation like any other write.
+            current = self._stored((res, request.namespace, request.name))
+            if current is None:
+                return request
+            try:
+                patched = jsonpatch.apply_patch(current, request.data, in_place=False)
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException) as err:
+                # What the API server answers, e.g. for a failed "test" operation.
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid",
+                    message=f"the server rejected our request due to an error in our "
+                            f"request: {err}") from None
+            if request.subresource == "status":
+                after = {**current, "status": patched.get("status")}
+            else:
+                after = {**patched, **({"status": current["status"]} if "status" in current
+                                       and self._has_status_subresource(res) else {})}
+            return self._admit_change(request, res, current, after)
         data = request.data if isinstance(request.data, dict) else None
         is_apply = request.headers.get("Content-Type", "").startswith(APPLY_CONTENT_TYPE)
         if request.method == enums.method.PATCH and data is not None:
@@ -304,15 +326,20 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 if self._has_status_subresource(res):
                     patch.pop("status", None)
                 after = _deep_merge(current, patch)
-            self._check_immutable(res, current, after)
-            after = self._admit(res, after)
-            after["metadata"]["resourceVersion"] = str(next(self._versions))
-            if after.get("spec") != current.get("spec"):
-                after["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
-            return _rewrite(request, data=_merge_patch_to(current, after))
+            return self._admit_change(request, res, current, after)
         if request.action == enums.action.CREATE and data is not None:
             return self._as_create(request, data)
         return request
+
+    def _admit_change(self, request: rendering.Request, res: kmock.resource,
+                      current: dict[str, Any], after: dict[str, Any]) -> rendering.Request:
+        """Validate `after` as the API server would and make the request write exactly it."""
+        self._check_immutable(res, current, after)
+        after = self._admit(res, after)
+        after["metadata"]["resourceVersion"] = str(next(self._versions))
+        if after.get("spec") != current.get("spec"):
+            after["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
+        return _rewrite(request, data=_merge_patch_to(current, after))
 
     def _check_immutable(self, res: kmock.resource, current: dict[str, Any],
                          after: dict[str, Any]) -> None:

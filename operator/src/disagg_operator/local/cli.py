@@ -1,4 +1,4 @@
-"""`disagg-operator local`: up, down and demo."""
+"""`disagg-operator local`: up, down, status and demo."""
 
 from __future__ import annotations
 
@@ -16,7 +16,15 @@ import yaml
 
 from disagg_operator.local.commands import LocalPlanError
 from disagg_operator.local.metrics import scrape_total
-from disagg_operator.local.runner import LocalDeployment, RunFolder, StartupError, stop_recorded
+from disagg_operator.local.runner import (
+    LocalDeployment,
+    RunFolder,
+    StartupError,
+    dead_summary,
+    log_tail,
+    process_reports,
+    stop_recorded,
+)
 from disagg_operator.spec import DisaggServingSpec, InvalidSpecError, parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
@@ -123,8 +131,34 @@ def down_cmd(name: str | None, run_dir: Path | None) -> None:
     if run_dir is None and name is None:
         raise click.UsageError("give the DisaggServing's NAME or --run-dir")
     folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / str(name))
+    if dead := dead_summary(process_reports(folder)):
+        click.echo(f"already gone: {dead} (logs in {folder.logs})")
     stopped = stop_recorded(folder, click.echo)
     click.echo(f"stopped {stopped} processes" if stopped else "nothing was running")
+
+
+@local.command("status")
+@click.argument("name", required=False)
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)
+@click.option("--log-lines", default=5, show_default=True,
+              help="Lines of each exited process's log to show.")
+def status_cmd(name: str | None, run_dir: Path | None, log_lines: int) -> None:
+    """Each process `local up` started: ready, running or how it ended (with its log's end).
+    Exits 1 when any has ended."""
+    if run_dir is None and name is None:
+        raise click.UsageError("give the DisaggServing's NAME or --run-dir")
+    folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / str(name))
+    reports = process_reports(folder)
+    if not reports:
+        click.echo(f"nothing recorded in {folder.root}: not started, or stopped")
+        return
+    width = max(len(r.name) for r in reports)
+    for report in reports:
+        click.echo(f"{report.name:<{width}}  {report.describe()}")
+        if not report.alive:
+            click.echo(log_tail(folder.log(report.name), log_lines))
+    if any(not r.alive for r in reports):
+        sys.exit(1)
 
 
 # A few blocks long: decode loads every full block before the prompt's last token.

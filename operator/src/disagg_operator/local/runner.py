@@ -38,6 +38,10 @@ from disagg_operator.spec import DisaggServingSpec
 
 Echo = Callable[[str], None]
 STATE_FILE = "state.json"
+# Each process runs under a shell that writes its exit code to a file when it ends, so that
+# `local status` can say how a process that outlived `local up` ended.
+RECORD_EXIT = ("sh", "-c", 'code_file="$1"; shift; "$@"; code=$?; echo "$code" > "$code_file"; '
+               'exit "$code"', "record-exit")
 # vLLM's CPU build reserves this much KV cache per instance by default; small models need less.
 DEFAULT_CPU_KV_SPACE_GIB = "1"
 
@@ -64,6 +68,9 @@ class RunFolder:
 
     def log(self, name: str) -> Path:
         return self.logs / f"{name}.log"
+
+    def exit_file(self, name: str) -> Path:
+        return self.root / "exit" / f"{name}.code"
 
     def read_state(self) -> dict[str, object]:
         try:
@@ -99,8 +106,10 @@ class LocalDeployment:
         """Start everything and wait until the proxy routes to every instance; returns its URL.
         On failure everything started so far is stopped again."""
         if live := live_pids(self.folder):
-            raise StartupError(f"{self.folder.root} already runs {len(live)} processes: "
-                               "run `local down` on it first, or pick another --run-dir")
+            dead = dead_summary(process_reports(self.folder))
+            raise StartupError(f"{self.folder.root} already runs {len(live)} processes"
+                               + (f" ({dead})" if dead else "")
+                               + ": run `local down` on it first, or pick another --run-dir")
         self.folder.logs.mkdir(parents=True, exist_ok=True)
         self.folder.config.mkdir(parents=True, exist_ok=True)
         proxy_port = self.proxy_port or self.spec.proxy.service.port
@@ -153,12 +162,17 @@ class LocalDeployment:
         # under the kernel's autogroup scheduling each session is one scheduling group, and a
         # vLLM instance busy-waiting for KV then starved the other instances for tens of seconds
         # (the prefill could not serve its pages; Mooncake clients missed their heartbeats).
+        exit_file = self.folder.exit_file(spec.name)
+        exit_file.parent.mkdir(parents=True, exist_ok=True)
+        exit_file.unlink(missing_ok=True)
         with log.open("ab") as out:
-            process = subprocess.Popen(list(spec.argv), env={**env, **spec.env}, stdout=out,
+            process = subprocess.Popen([*RECORD_EXIT, str(exit_file), *spec.argv],
+                                       env={**env, **spec.env}, stdout=out,
                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                        process_group=0)
         self.started.append(Started(spec, process, log))
-        _record(self.folder, state, spec.name, process.pid)
+        _record(self.folder, state, spec.name, process.pid,
+                {"port": spec.port, "health_path": spec.health_path})
         self.echo(f"  started {spec.name} (pid {process.pid}"
                   + (f", port {spec.port})" if spec.port else ")"))
 
@@ -286,11 +300,66 @@ def log_tail(path: Path, lines: int = 25) -> str:
     return "\n".join("    " + line for line in text.splitlines()[-lines:])
 
 
-def _record(folder: RunFolder, state: dict[str, object], name: str, pid: int) -> None:
+def _record(folder: RunFolder, state: dict[str, object], name: str, pid: int,
+            readiness: dict[str, object] | None = None) -> None:
     pids = state["pids"]
     assert isinstance(pids, dict)
     pids[name] = pid
+    if readiness is not None:
+        checks = state.setdefault("readiness", {})
+        assert isinstance(checks, dict)
+        checks[name] = readiness
     folder.write_state(state)
+
+
+@dataclass(frozen=True)
+class ProcessReport:
+    """One recorded process as `local status` shows it."""
+    name: str
+    pid: int
+    alive: bool
+    exit_code: int | None  # when it has exited and its wrapper recorded the code
+    ready: bool | None  # None: not alive, or no readiness check known
+
+    def describe(self) -> str:
+        if self.alive:
+            state = {True: "ready", False: "not ready", None: "running"}[self.ready]
+            return f"{state} (pid {self.pid})"
+        if self.exit_code is None:
+            return "exited (no exit code recorded)"
+        if self.exit_code > 128:
+            return f"killed by signal {self.exit_code - 128}"
+        return f"exited with code {self.exit_code}"
+
+
+def process_reports(folder: RunFolder) -> list[ProcessReport]:
+    state = folder.read_state()
+    pids = state.get("pids") or {}
+    checks = state.get("readiness") or {}
+    assert isinstance(pids, dict) and isinstance(checks, dict)
+    _reap()
+    reports = []
+    for name, pid in pids.items():
+        alive = _alive(int(pid))
+        code: int | None = None
+        if not alive:
+            try:
+                code = int(folder.exit_file(name).read_text().strip())
+            except (FileNotFoundError, ValueError):
+                code = None
+        ready = None
+        check = checks.get(name)
+        if alive and isinstance(check, dict) and check.get("port"):
+            ready = _is_ready(LocalProcess(name=name, role="", argv=(),
+                                           port=int(check["port"]),
+                                           health_path=check.get("health_path")))
+        reports.append(ProcessReport(name, int(pid), alive, code, ready))
+    return reports
+
+
+def dead_summary(reports: list[ProcessReport]) -> str:
+    """`a exited with code 1, b killed by signal 9`, for the processes that are gone."""
+    return ", ".join(f"{r.name} {r.describe()}" for r in reports if not r.alive)
 
 
 def _get(url: str) -> str:
