@@ -98,3 +98,22 @@ async def test_json_patches_are_validated_and_bump_the_generation(cluster) -> No
                          '[{"op": "replace", "path": "/spec/decode/replicas", "value": 3}]')
     assert good.returncode == 0, good.stderr
     assert int(await generation()) == int(before) + 1
+
+
+async def test_events_are_selected_by_their_involved_object(cluster, tmp_path: Path) -> None:
+    _, env = cluster
+    events = tmp_path / "events.yaml"
+    events.write_text("".join(
+        "---\napiVersion: v1\nkind: Event\n"
+        f"metadata: {{name: e-{name}, namespace: default}}\n"
+        f"involvedObject: {{kind: DisaggServing, name: {name}, namespace: default}}\n"
+        f"reason: Ready\nmessage: {name} is ready\ntype: Normal\n"
+        for name in ("first", "second")))
+    assert (await kubectl(env, "apply", "-f", str(events))).returncode == 0
+    got = await kubectl(env, "get", "events", "--field-selector", "involvedObject.name=second",
+                        "-o", "jsonpath={.items[*].message}")
+    assert got.stdout == "second is ready", got.stderr
+    got = await kubectl(env, "get", "events", "--field-selector",
+                        "involvedObject.name!=second,type=Normal",
+                        "-o", "jsonpath={.items[*].message}")
+    assert got.stdout == "first is ready", got.stderr

@@ -116,12 +116,16 @@ def _matches_labels(obj: dict[str, Any], selector: str) -> bool:
 
 
 def _matches_fields(obj: dict[str, Any], selector: str) -> bool:
-    meta = obj.get("metadata") or {}
+    """A field selector: `path=value`, `path==value` or `path!=value` terms on dotted paths
+    (metadata.name, involvedObject.name, type, ...), all of which must hold."""
     for term in filter(None, (t.strip() for t in selector.split(","))):
-        key, _, value = term.replace("==", "=").partition("=")
-        if key == "metadata.name" and meta.get("name") != value:
-            return False
-        if key == "metadata.namespace" and meta.get("namespace") != value:
+        negate = "!=" in term
+        key, _, value = term.replace("!=", "=").replace("==", "=").partition("=")
+        found: Any = obj
+        for part in key.split("."):
+            found = found.get(part) if isinstance(found, dict) else None
+        actual = "" if found is None else str(found)
+        if (actual == value) == negate:
             return False
     return True
 
