@@ -159,3 +159,15 @@ def store_client(master: str) -> Iterator[MooncakeKVStore]:
     finally:
         client.close()
 
+
+def corrupt_values(master: str, keys: list[str]) -> None:
+    """Flip every bf16 sign bit of these stored values, in place in the store."""
+    with store_client(master) as client:
+        for key in keys:
+            page = read_value(client, key)
+            page.view(torch.int16).bitwise_xor_(-0x8000)
+            client.remove(key, force=True)  # our own read just took a lease on it
+            client.register(page)
+            assert client.put([key], [page.data_ptr()], [page.numel()]).stored == [key]
+            client.unregister(page)
+            assert torch.equal(read_value(client, key), page)

@@ -15,6 +15,7 @@ import torch
 from kvhelper.keys import block_key
 
 from .engines import (
+    corrupt_values,
     decode,
     fingerprint_in,
     loaded_blocks,
@@ -123,15 +124,7 @@ def test_corrupted_pages_change_the_output(tiny_models, mooncake, baseline, tmp_
     params, prefill_log = prefill(tmp_path, request, mooncake)
     keys = [block_key(fingerprint_in(prefill_log), p["kvhelper_prefix_hash"]) for p in params]
     monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    with store_client(mooncake) as client:
-        for key in keys:  # the last block decode loads per prompt: flip every bf16 sign bit
-            page = read_value(client, key)
-            page.view(torch.int16).bitwise_xor_(-0x8000)
-            client.remove(key, force=True)  # our own read just took a lease on it
-            client.register(page)
-            assert client.put([key], [page.data_ptr()], [page.numel()]).stored == [key]
-            client.unregister(page)
-            assert torch.equal(read_value(client, key), page)
+    corrupt_values(mooncake, keys)  # the last block decode loads, per prompt
     # Loaded inside the step this time (load_async false), the other way.
     result, decode_log = decode(tmp_path, request, mooncake, params, load_async=False)
     loaded = loaded_blocks(decode_log, "in the step")

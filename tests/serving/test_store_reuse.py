@@ -20,17 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from kvhelper.keys import block_key
 
 from .engines import (
     connector_config,
+    corrupt_values,
     fingerprint_in,
     loaded_blocks,
     prefill,
-    read_value,
     run_engine,
-    store_client,
 )
 
 PROMPT_TOKENS = 612
@@ -79,14 +77,8 @@ def run_pipeline(kind: str, model: Path, master: str, tmp: Path, shared: int,
 
 
 def corrupt_page(master: str, fingerprint: str, block_hash: str, kind: str) -> None:
-    key = block_key(fingerprint, block_hash, None if kind == "mla" else (1, 0))
-    with store_client(master) as client:
-        page = read_value(client, key)
-        page.view(torch.int16).bitwise_xor_(-0x8000)
-        client.remove(key, force=True)  # our own read just took a lease on it
-        client.register(page)
-        assert client.put([key], [page.data_ptr()], [page.numel()]).stored == [key]
-        client.unregister(page)
+    corrupt_values(master, [block_key(fingerprint, block_hash,
+                                      None if kind == "mla" else (1, 0))])
 
 
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
