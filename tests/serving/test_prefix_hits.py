@@ -4,7 +4,8 @@ loaded pages must land in the blocks after the locally cached ones, never on the
 run one request after another on one decode engine, and its greedy tokens are compared with a
 single instance's:
 
-    X          612 tokens, nothing cached locally: every stored block is loaded
+    X          612 tokens, nothing cached locally: every stored block is loaded (the plain
+               prefill -> decode path)
     Y          X's first 512 tokens, then others: a partial local hit, the rest loaded
     Z          X's tokens up to one stored block short of X's end: one block loaded
     X again    every stored block cached locally: nothing loaded
@@ -84,8 +85,8 @@ def single_instance(tiny_models, tmp_path_factory) -> dict[str, list[list[int]]]
     return of  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("kind,load_async", [("gqa", True), ("gqa", False),
-                                             ("mla", True), ("mla", False)])
+# MLA loads inside the step are in test_connector.test_corrupted_pages_change_the_output.
+@pytest.mark.parametrize("kind,load_async", [("gqa", True), ("gqa", False), ("mla", True)])
 def test_loads_after_local_prefix_hits_land_after_the_cached_blocks(
         kind, load_async, tiny_models, mooncake, stored, single_instance, tmp_path) -> None:
     block_size = BLOCK_SIZE[kind]
