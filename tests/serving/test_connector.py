@@ -212,8 +212,10 @@ def test_kv_both_instances_store_and_load(tiny_models, mooncake, tmp_path) -> No
     request = common("gqa", tiny_models, model)
     params, prefill_log = prefill(tmp_path, request, mooncake, role="kv_both")
     assert all(stored_blocks(prefill_log)), prefill_log[-3000:]
+    # Without store lookups, so that the reference run (no transfer parameters) recomputes
+    # instead of finding the prompts in the store (test_store_reuse covers lookups).
     result, decode_log = decode(tmp_path, request, mooncake, params, reference=True,
-                                role="kv_both")
+                                role="kv_both", extra={"store_lookup": False})
     loaded = loaded_blocks(decode_log)
     assert len(loaded) == len(PROMPTS) and all(loaded), decode_log[-3000:]
     assert re.search(r"stored 0 KV blocks, [1-9]\d* already in the store", decode_log)
