@@ -117,3 +117,22 @@ async def test_events_are_selected_by_their_involved_object(cluster, tmp_path: P
                         "involvedObject.name!=second,type=Normal",
                         "-o", "jsonpath={.items[*].message}")
     assert got.stdout == "first is ready", got.stderr
+
+
+async def test_kubectl_scale_writes_the_workloads_replicas(cluster, tmp_path: Path) -> None:
+    _, env = cluster
+    deployment = tmp_path / "web.yaml"
+    deployment.write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: web, namespace: default}\n"
+        "spec:\n  replicas: 1\n  selector: {matchLabels: {app: web}}\n  template:\n"
+        "    metadata: {labels: {app: web}}\n"
+        "    spec: {containers: [{name: web, image: nginx}]}\n")
+    assert (await kubectl(env, "apply", "-f", str(deployment))).returncode == 0
+    scaled = await kubectl(env, "scale", "deployment", "web", "--replicas=3")
+    assert scaled.returncode == 0, scaled.stderr
+    got = await kubectl(env, "get", "deployment", "web", "-o",
+                        "jsonpath={.spec.replicas} {.metadata.generation}")
+    assert got.stdout == "3 2"
+    scale = await kubectl(env, "get", "deployment", "web", "--subresource=scale", "-o",
+                          "jsonpath={.kind} {.spec.replicas} {.status.selector}")
+    assert scale.stdout == "Scale 3 app=web", scale.stderr

@@ -130,6 +130,17 @@ def _matches_fields(obj: dict[str, Any], selector: str) -> bool:
     return True
 
 
+def _scale_of(workload: dict[str, Any]) -> dict[str, Any]:
+    meta = workload.get("metadata") or {}
+    selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    return {"apiVersion": "autoscaling/v1", "kind": "Scale",
+            "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion",
+                                              "creationTimestamp") if k in meta},
+            "spec": {"replicas": int((workload.get("spec") or {}).get("replicas", 1))},
+            "status": {"replicas": int((workload.get("status") or {}).get("replicas", 0)),
+                       "selector": ",".join(f"{k}={v}" for k, v in sorted(selector.items()))}}
+
+
 def _rewrite(request: rendering.Request, **changes: Any) -> rendering.Request:
     """Change a parsed request in place: kmock tracks requests by identity, so no copies."""
     for name, value in changes.items():
@@ -246,6 +257,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     async def _route(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await super()._handle(request)
+        if request.subresource == "scale" and request.resource.plural in WORKLOAD_PLURALS:
+            return await self._serve_scale(request)
         if request.action == enums.action.WATCH:
             return await self._stream_watch(request)
         if request.action in (enums.action.LIST, enums.action.FETCH) and self._wants_table(
@@ -344,6 +357,31 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if after.get("spec") != current.get("spec"):
             after["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
         return _rewrite(request, data=_merge_patch_to(current, after))
+
+    async def _serve_scale(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        """The scale subresource of a Deployment or StatefulSet (kubectl scale): an
+        autoscaling/v1 Scale; a write to it is a write of the workload's spec.replicas."""
+        key = (request.resource, request.namespace, request.name)
+        current = self._stored(key)
+        if current is None:
+            return await super()._handle(request)  # the API server's 404
+        if request.method in (enums.method.PATCH, enums.method.PUT):
+            scale = _scale_of(current)
+            data = request.data
+            try:
+                wanted = (jsonpatch.apply_patch(scale, data, in_place=False)
+                          if isinstance(data, list) else _deep_merge(scale, dict(data or {})))
+                replicas = int(wanted["spec"]["replicas"])
+            except (jsonpatch.JsonPatchException, jsonpointer.JsonPointerException,
+                    KeyError, TypeError, ValueError) as err:
+                raise kmock.KubernetesError(
+                    status=422, reason="Invalid",
+                    message=f"Scale.autoscaling {request.name!r} is invalid: {err}") from None
+            _rewrite(request, subresource=None, data={"spec": {"replicas": replicas}},
+                     method=enums.method.PATCH)
+            await self._route(request)
+            current = self._stored(key) or current
+        return aiohttp.web.json_response(_scale_of(current))
 
     def _check_immutable(self, res: kmock.resource, current: dict[str, Any],
                          after: dict[str, Any]) -> None:
