@@ -136,3 +136,11 @@ async def test_kubectl_scale_writes_the_workloads_replicas(cluster, tmp_path: Pa
     scale = await kubectl(env, "get", "deployment", "web", "--subresource=scale", "-o",
                           "jsonpath={.kind} {.spec.replicas} {.status.selector}")
     assert scale.stdout == "Scale 3 app=web", scale.stderr
+
+
+async def test_kubectl_explain_reads_the_crd_schema(cluster) -> None:
+    """InvalidSpec messages point users at `kubectl explain disaggserving.spec`."""
+    _, env = cluster
+    got = await kubectl(env, "explain", "disaggserving.spec.model.blockSize")
+    assert got.returncode == 0, got.stderr
+    assert "KV page size in tokens" in got.stdout and "FIELD: blockSize <integer>" in got.stdout

@@ -662,6 +662,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
 
     def openapi_v3_group(self, group_version: str) -> dict[str, Any]:
         paths: dict[str, Any] = {}
+        schemas: dict[str, Any] = {}
         for res in self._get_resources():
             if self._api_version(res) != group_version:
                 continue
@@ -674,5 +675,12 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             paths[f"{prefix}/namespaces/{{namespace}}/{res.plural}/{{name}}"] = {
                 "patch": operation}
             paths[f"{prefix}/namespaces/{{namespace}}/{res.plural}"] = {"post": operation}
+            if (schema := self.schemas.get(res)) is not None:
+                # A CRD's schema under its kind, as the API server publishes it (kubectl
+                # explain finds it by x-kubernetes-group-version-kind).
+                name = ".".join([*reversed(res.group.split(".")), res.version,
+                                 self._kind(res)])
+                schemas[name] = {**copy.deepcopy(schema),
+                                 "x-kubernetes-group-version-kind": [gvk]}
         return {"openapi": "3.0.0", "info": {"title": "emulator", "version": "v1"},
-                "paths": paths, "components": {"schemas": {}}}
+                "paths": paths, "components": {"schemas": schemas}}
