@@ -223,3 +223,18 @@ async def test_a_name_too_long_for_its_children_creates_no_children(api: Api) ->
     cond = await api.wait_condition(name, "Ready", "False", "InvalidSpec")
     assert f"at most {MAX_NAME_LENGTH}" in cond["message"] and "metadata.name" in cond["message"]
     assert api.children(name) == {}
+
+
+async def test_an_operator_watching_one_namespace_reconciles_it(
+        tmp_path, config: OperatorConfig) -> None:
+    """`disagg-operator run --namespace default`: kopf lists Namespaces in that mode, which
+    the emulator answered with a 500, so nothing was ever reconciled."""
+    from disagg_operator.sandbox import sandbox
+
+    from .conftest import Api
+
+    async with sandbox(tmp_path / "scoped") as box:
+        await box.start_operator(config, namespaces=(NAMESPACE,))
+        api = Api(box)
+        await create_seed(api)
+        await box.stop_operator()

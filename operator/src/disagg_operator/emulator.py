@@ -30,7 +30,10 @@ from jsonpath_ng.ext import parse as jsonpath_parse  # type: ignore[attr-defined
 from kmock._internal import enums, rendering
 from typing_extensions import override
 
+from disagg_operator import kmock_adapter  # noqa: F401  (applies its fixes)
+
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
+NAMESPACES = kmock.resource("", "v1", "namespaces")
 WORKLOAD_PLURALS = ("deployments", "statefulsets")
 STATEFULSET_MUTABLE = {"replicas", "ordinals", "template", "updateStrategy",
                        "persistentVolumeClaimRetentionPolicy", "minReadySeconds"}
@@ -191,6 +194,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.resources.load_bundled()
+        for namespace in ("default", "kube-system"):
+            self.ensure_namespace(namespace)
         self.fallback["get /openapi/v3"] << (lambda: self.openapi_v3_root())
         self.fallback["get", re.compile(r"/openapi/v3/apis?/.+")] << (
             lambda request: self.openapi_v3_group(
@@ -407,12 +412,26 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                             "'persistentVolumeClaimRetentionPolicy' and 'minReadySeconds' are "
                             f"forbidden (changed: {', '.join(changed)})")
 
+    def ensure_namespace(self, name: str) -> None:
+        """A Namespace object for `name`: the API server has one for every namespace in use
+        (kopf lists them when it watches only some namespaces)."""
+        key = (NAMESPACES, None, name)
+        if self._stored(key) is None:
+            self.objects[key] = {
+                "apiVersion": "v1", "kind": "Namespace",
+                "metadata": {"name": name, "uid": str(uuid.uuid4()),
+                             "creationTimestamp": _now(),
+                             "resourceVersion": str(next(self._versions))},
+                "status": {"phase": "Active"}}
+
     def _as_create(self, request: rendering.Request, data: dict[str, Any]) -> rendering.Request:
         assert request.resource is not None
         body = copy.deepcopy(data)
         meta = body.setdefault("metadata", {})
         if request.namespace and not meta.get("namespace"):
             meta["namespace"] = request.namespace  # kmock's namespaced watches need it
+        if meta.get("namespace"):
+            self.ensure_namespace(meta["namespace"])
         if not meta.get("name") and meta.get("generateName"):
             meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
         meta.update(uid=str(uuid.uuid4()), generation=1, creationTimestamp=_now(),
@@ -678,8 +697,8 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             if (schema := self.schemas.get(res)) is not None:
                 # A CRD's schema under its kind, as the API server publishes it (kubectl
                 # explain finds it by x-kubernetes-group-version-kind).
-                name = ".".join([*reversed(res.group.split(".")), res.version,
-                                 self._kind(res)])
+                name = ".".join([*reversed((res.group or "").split(".")),
+                                 res.version or "", self._kind(res)])
                 schemas[name] = {**copy.deepcopy(schema),
                                  "x-kubernetes-group-version-kind": [gvk]}
         return {"openapi": "3.0.0", "info": {"title": "emulator", "version": "v1"},

@@ -45,8 +45,9 @@ class OperatorThread:
     that cannot touch the caller's tasks.
     """
 
-    def __init__(self, config: OperatorConfig) -> None:
+    def __init__(self, config: OperatorConfig, namespaces: tuple[str, ...] = ()) -> None:
         self.config = config
+        self.namespaces = namespaces  # none: cluster-wide, as `run` without --namespace
         self.stop_flag = threading.Event()
         self.error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -60,7 +61,8 @@ class OperatorThread:
         async def run() -> None:
             self._loop = asyncio.get_running_loop()
             self._task = asyncio.current_task()
-            await kopf.operator(registry=registry, clusterwide=True, standalone=True,
+            await kopf.operator(registry=registry, clusterwide=not self.namespaces,
+                                namespaces=list(self.namespaces), standalone=True,
                                 memo=kopf.Memo(config=self.config), stop_flag=self.stop_flag)
         try:
             asyncio.run(run())
@@ -94,11 +96,12 @@ class Sandbox:
         return sum(1 for r in self.emulator.request_log
                    if r.action == "WATCH" and r.plural in WATCHED)
 
-    async def start_operator(self, config: OperatorConfig, timeout: float = 30.0) -> None:
+    async def start_operator(self, config: OperatorConfig, timeout: float = 30.0,
+                             namespaces: tuple[str, ...] = ()) -> None:
         if self._operator is not None:
             raise RuntimeError("the operator is already running")
         watches_before = self.watch_count()
-        operator = self._operator = OperatorThread(config)
+        operator = self._operator = OperatorThread(config, namespaces)
         operator.start()
         await wait_for(lambda: self.watch_count() >= watches_before + len(WATCHED)
                        or not operator.is_alive(), timeout, "the operator's watches")
