@@ -238,3 +238,25 @@ async def test_an_operator_watching_one_namespace_reconciles_it(
         api = Api(box)
         await create_seed(api)
         await box.stop_operator()
+
+
+async def test_a_crashing_instance_is_quoted_in_degraded(cluster: Sandbox, api: Api) -> None:
+    """A serving pod whose container keeps failing at start (e.g. the connector refusing its
+    configuration) is named in Degraded with the end of its log, not only in pod logs."""
+    import kmock
+
+    await create_seed(api)
+    pods = kmock.resource("", "v1", "pods")
+    cluster.emulator.objects[pods, NAMESPACE, "dsv2-lite-prefill-x1"] = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "dsv2-lite-prefill-x1", "namespace": NAMESPACE, "labels": {
+            "app.kubernetes.io/instance": "dsv2-lite",
+            "app.kubernetes.io/managed-by": "disagg-operator",
+            "app.kubernetes.io/component": "prefill"}},
+        "status": {"containerStatuses": [{
+            "name": "vllm", "restartCount": 2,
+            "lastState": {"terminated": {"exitCode": 1, "message": "ValueError: "
+                                         "kv_connector_extra_config.load_async must be true "
+                                         "or false, not 'yes'"}}}]}}
+    cond = await api.wait_condition("dsv2-lite", "Degraded", "True", "InstancesFailing")
+    assert "load_async must be true or false" in cond["message"]

@@ -61,6 +61,8 @@ async def test_helm_install_cluster_wide(cluster: Sandbox, tools: Path) -> None:
     granted = {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"]
                for v in r["verbs"]}
     assert ("", "secrets", "get") not in granted  # the operator never reads Secrets
+    # Pods are only listed (for their container states), never read one by one or changed.
+    assert {v for g, res, v in granted if res == "pods"} == {"list"}
     assert ("apps", "deployments", "patch") in granted
     assert ("serving.disagg.dev", "disaggservings/status", "patch") in granted
 

@@ -75,6 +75,9 @@ class RecordingApi:
     async def list_children(self, owner):  # noqa: ANN001, ANN201
         return dict(self.children)
 
+    async def list_pods(self, owner):  # noqa: ANN001, ANN201
+        return []
+
     async def apply(self, manifest, dry_run=False):  # noqa: ANN001, ANN201
         if not dry_run:
             self.children[(manifest["kind"], manifest["metadata"]["name"])] = manifest

@@ -79,3 +79,21 @@ def test_unhealthy_etcd_blocks_ready_and_degrades() -> None:
     assert condition(status, "Ready")["reason"] == "EtcdUnhealthy"
     assert condition(status, "Degraded")["status"] == "True"
     assert "refused" in condition(status, "Ready")["message"]
+
+
+def test_an_instance_that_keeps_failing_at_start_is_named_with_its_message() -> None:
+    obs = _obs({"prefill": 0})
+    crashing = {"metadata": {"name": "dsv2-lite-prefill-abc"}, "status": {"containerStatuses": [
+        {"name": "vllm", "restartCount": 3,
+         "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+         "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message":
+             "INFO loading\nkvhelper.tp.TPMismatchError: store_tp_size 6 does not divide the "
+             "model's 8 KV heads; use a divisor of 8\n"}}},
+        {"name": "registrar", "restartCount": 0, "state": {"running": {}}}]}}
+    healthy = {"metadata": {"name": "dsv2-lite-decode-x"}, "status": {"containerStatuses": [
+        {"name": "vllm", "restartCount": 0, "state": {"running": {}}}]}}
+    obs = Observation(**{**obs.__dict__, "pods": [crashing, healthy]})
+    degraded = condition(compute_status(obs, {}, "t1"), "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "InstancesFailing")
+    assert "pod dsv2-lite-prefill-abc container vllm exited with code 1" in degraded["message"]
+    assert "store_tp_size 6 does not divide the model's 8 KV heads" in degraded["message"]

@@ -26,6 +26,7 @@ _RESOURCES = {
     "Deployment": create_namespaced_resource("apps", "v1", "Deployment", "deployments"),
     "StatefulSet": create_namespaced_resource("apps", "v1", "StatefulSet", "statefulsets"),
 }
+_POD = create_namespaced_resource("", "v1", "Pod", "pods")
 # The kinds render() produces, i.e. every kind the operator may need to prune.
 CHILD_KINDS = tuple(_RESOURCES)
 DisaggServingResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
@@ -47,6 +48,7 @@ class ApiFailure(Exception):
 
 class ClusterApi(Protocol):
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]: ...
+    async def list_pods(self, owner: Owner) -> list[Manifest]: ...
     async def apply(self, manifest: Manifest, dry_run: bool = False) -> Manifest: ...
     async def delete(self, kind: str, namespace: str, name: str) -> None: ...
     async def patch_status(self, namespace: str, name: str,
@@ -58,6 +60,14 @@ class LightkubeApi:
 
     def __init__(self, client: AsyncClient) -> None:
         self.client = client
+
+    async def list_pods(self, owner: Owner) -> list[Manifest]:
+        """The pods of the DisaggServing's workloads (read for their container states)."""
+        pods: list[Manifest] = []
+        async with _translated():
+            pods = [dict(item) async for item in self.client.list(
+                _POD, namespace=owner.namespace, labels=dict(owned_labels(owner.name)))]
+        return pods
 
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]:
         found: dict[ChildKey, Manifest] = {}

@@ -173,9 +173,12 @@ class Reconciler:
         result = ReconcileResult(status={})
         apply_error: str | None = None
         observed: dict[ChildKey, Manifest] = {}
+        pods: list[Manifest] = []
         target = "children"
         try:
             observed = await self.api.list_children(owner)
+            target = "pods"
+            pods = await self.api.list_pods(owner)
             changes = [m for m in desired if apply_reason(
                 m, observed.get((m["kind"], m["metadata"]["name"]))) is not None]
             # The API server validates every change (dry run) before any is made, so a change
@@ -204,7 +207,7 @@ class Reconciler:
         observation = Observation(
             generation=generation, desired=desired, observed=observed,
             etcd_mode=spec.etcd.mode, etcd_endpoints=plan.etcd_endpoints, etcd_health=health,
-            endpoint=self._endpoint(owner, spec), apply_error=apply_error)
+            endpoint=self._endpoint(owner, spec), apply_error=apply_error, pods=pods)
         result.status = compute_status(observation, previous, self.clock())
         result.error = apply_error
         return await self._finish(owner, seen, previous, result)

@@ -205,6 +205,9 @@ def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
         assert role_spec is not None
         # Loading weights can take many minutes: the startup probe holds liveness off until then.
         main["startupProbe"] = _probe(component.main, period=10, failures=180)
+        # A refused configuration (e.g. the connector's) ends in the log: the operator quotes
+        # it in the status's Degraded condition.
+        main["terminationMessagePolicy"] = "FallbackToLogsOnError"
         main["env"] += list(role_spec.env or [])
         main["resources"] = _vllm_resources(role_spec)
         main["volumeMounts"] = [

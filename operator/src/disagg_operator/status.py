@@ -6,7 +6,7 @@ Conditions follow the Kubernetes API conventions: `type`, `status`, `reason`, `m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_operator.etcd_health import EtcdHealth
@@ -57,6 +57,30 @@ class Observation:
     etcd_health: EtcdHealth | None
     endpoint: str
     apply_error: str | None = None
+    pods: list[Manifest] = field(default_factory=list)  # the serving pods, as listed
+
+
+# How much of a crashed container's termination message (its log's end) a condition quotes.
+MESSAGE_LINES = 3
+MESSAGE_PODS = 3
+
+
+def pod_failures(pods: list[Manifest]) -> list[str]:
+    """Containers that keep failing (restarted after a non-zero exit), with the end of what
+    they printed: e.g. a vLLM instance whose connector refused its configuration at start."""
+    found = []
+    for pod in pods:
+        name = (pod.get("metadata") or {}).get("name", "?")
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            last = ((status.get("lastState") or {}).get("terminated") or
+                    (status.get("state") or {}).get("terminated") or {})
+            if not status.get("restartCount") or not last.get("exitCode"):
+                continue
+            lines = [line for line in str(last.get("message") or "").splitlines() if line]
+            tail = " | ".join(lines[-MESSAGE_LINES:]) or last.get("reason") or "no message"
+            found.append(f"pod {name} container {status.get('name')} exited with code "
+                         f"{last['exitCode']} ({status['restartCount']} restarts): {tail}")
+    return found[:MESSAGE_PODS]
 
 
 def workload_state(desired: Manifest, live: Manifest | None) -> WorkloadState:
@@ -136,6 +160,8 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
     elif failing:
         degraded = ("True", "WorkloadFailing", "; ".join(f"{w.role}: {w.failure}"
                                                         for w in failing))
+    elif crashing := pod_failures(obs.pods):
+        degraded = ("True", "InstancesFailing", "; ".join(crashing))
     elif obs.etcd_health is not None and not obs.etcd_health.healthy and not rolling:
         degraded = ("True", "EtcdUnhealthy", _etcd_message(obs))
     elif short:
