@@ -61,6 +61,18 @@ def bind_workers(tp: int) -> None:
         ",".join(map(str, cores[rank * share:(rank + 1) * share])) for rank in range(tp)))
 
 
+def finish_connector_work(llm: Any) -> None:
+    """Step the engine until no finished request waits on the connector. A server's engine
+    keeps stepping while any does (e.g. a decode save, save_decode_cache); LLM.generate returns
+    as soon as the outputs are complete. In-process engine only (see the module doc)."""
+    core = llm.llm_engine.engine_core.engine_core
+    for _ in range(100):
+        if not core.scheduler.has_requests():
+            return
+        core.step()
+    raise RuntimeError("the connector still holds finished requests after 100 steps")
+
+
 def main() -> None:
     request = json.loads(open(sys.argv[1]).read())
     tp = request.get("tensor_parallel_size", 1)
@@ -98,6 +110,7 @@ def main() -> None:
             cold += llm.generate([prompts[i] for i in group], sampling(None))
         outputs += llm.generate([prompts[i] for i in group],
                                 [sampling(params[i]) for i in group])
+    finish_connector_work(llm)
     result: dict[str, Any] = {"token_ids": [list(o.outputs[0].token_ids) for o in outputs],
                               "finish_reasons": [o.outputs[0].finish_reason for o in outputs],
                               "kv_transfer_params": [o.kv_transfer_params for o in outputs]}

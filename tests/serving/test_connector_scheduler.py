@@ -111,10 +111,11 @@ def test_prefill_stores_a_chunked_and_preempted_prompt_from_its_current_blocks()
     (save,) = meta.saves
     assert save.block_ids == [7, 8, 9, 10, 11]
     assert save.block_hashes == [h.hex() for h in req.block_hashes]
-    params = producer.request_finished(req)
+    hold, params = producer.request_finished(req, [7, 8, 9, 10, 11, 12])
+    assert not hold  # its prompt was stored in the step that finished it
     assert params is not None and params[PARAMS_KEY] == 5 * BLOCK
     assert params[PREFIX_HASH_KEY] == req.block_hashes[4].hex()
-    assert producer.request_finished(req) is None  # the record is gone
+    assert producer.request_finished(req, []) == (False, None)  # the record is gone
 
 
 class FakeStore:
@@ -177,3 +178,20 @@ def test_no_lookup_before_the_workers_say_how_keys_are_made() -> None:
                              stats=TransferStats(), lookup=lookup)
     assert producer.get_num_new_matched_tokens(request("r", 5 * BLOCK), 0) == (0, False)
     assert store.asked == 0
+
+
+def test_decode_saving_holds_a_finished_requests_blocks_until_they_are_stored() -> None:
+    consumer = SchedulerSide(BLOCK, False, True, IDENTITY, load_async=True,
+                             stats=TransferStats(), save_decode_cache=True)
+    req = request("r", 3 * BLOCK, decode_params(2 * BLOCK))
+    # Generated 2 blocks and 3 tokens more; the last sampled token has no KV yet.
+    req.block_hashes = [bytes([i]) * 8 for i in range(5)]
+    req.num_computed_tokens = 5 * BLOCK + 2
+    hold, params = consumer.request_finished(req, [4, 5, 6, 7, 8, 9])
+    assert hold and params is None
+    (save,) = consumer.build_connector_meta(step({})).saves
+    assert save.release and save.block_ids == [4, 5, 6, 7, 8]
+    assert save.block_hashes == [h.hex() for h in req.block_hashes]
+    assert consumer.build_connector_meta(step({})).saves == []  # sent once
+    off = side(consumer=True)
+    assert off.request_finished(req, [4, 5, 6, 7, 8, 9]) == (False, None)  # the default

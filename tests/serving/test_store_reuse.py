@@ -15,6 +15,7 @@ reused prefix corrupted in the store before B runs, they must differ.
 from __future__ import annotations
 
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,37 @@ def test_a_corrupted_reused_page_changes_the_output(tiny_models, mooncake, tmp_p
     tokens, b_log, _ = run_pipeline("gqa", model, mooncake, tmp_path, shared, corrupt=True)
     assert loaded_blocks(b_log) == [shared // 32], b_log[-3000:]
     assert tokens != single_instance("gqa", model, shared, tmp_path / "single")
+
+
+def test_a_second_turn_finds_its_whole_history_when_decode_saves(
+        tiny_models, mooncake, tmp_path, monkeypatch) -> None:
+    """Decode with save_decode_cache stores the finished request's blocks, generated tokens
+    included; the conversation's next turn, on another prefill instance, loads all of them."""
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-turns")
+    for folder in ("a", "decode", "b", "decode2", "single"):
+        (tmp_path / folder).mkdir()
+    x, _ = prompts(SHARED_PREFIX)
+    a_params, _ = prefill(tmp_path / "a", request("gqa", model, [x]), mooncake)
+    saving = connector_config("kv_consumer", mooncake)
+    saving["kv_connector_extra_config"]["save_decode_cache"] = True
+    turn, decode_log = run_engine(tmp_path / "decode", "decode", {
+        **request("gqa", model, [x]), "max_tokens": 40, "kv_transfer_config": saving,
+        "kv_transfer_params": a_params})
+    answer = turn["token_ids"][0]
+    # 612 + 40 tokens, the last without KV: 20 full blocks, 19 of them the prompt's.
+    assert re.search(r"stored 1 KV blocks, 19 already in the store \(after decode\)",
+                     decode_log), decode_log[-3000:]
+    rng = random.Random(5)
+    second = x + answer + [rng.randrange(3, 500) for _ in range(60)]
+    b_params, b_log = prefill(tmp_path / "b", request("gqa", model, [second]), mooncake)
+    assert loaded_blocks(b_log) == [20], b_log[-3000:]  # without decode saving: 19
+    result, _ = run_engine(tmp_path / "decode2", "decode", {
+        **request("gqa", model, [second]), "max_tokens": 8,
+        "kv_transfer_config": connector_config("kv_consumer", mooncake),
+        "kv_transfer_params": b_params})
+    single, _ = run_engine(tmp_path / "single", "single", {
+        **request("gqa", model, [x, second, second]), "max_tokens": 40,
+        "prefix_caching": True})
+    assert single["token_ids"][0] == answer
+    assert result["token_ids"][0] == single["token_ids"][2][:8]

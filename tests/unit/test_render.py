@@ -172,3 +172,12 @@ def test_tp_sizes_and_store_shards_are_checked_against_the_kv_heads(
     assert str(err.value).startswith(field) and "8 KV heads" in str(err.value)
     spec["model"].pop("kvHeads")  # without the head count the operator cannot tell
     parse_spec(spec)
+
+
+def test_decode_saving_is_set_on_decode_only() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-mla-1p2d.yaml").read_text())
+    spec = parse_spec({**doc["spec"], "kvTransfer": {"saveDecodeCache": True}})
+    assert plan.kv_transfer_config("decode", spec)["kv_connector_extra_config"][
+        "save_decode_cache"] is True
+    assert "save_decode_cache" not in plan.kv_transfer_config(
+        "prefill", spec)["kv_connector_extra_config"]

@@ -34,6 +34,9 @@ COUNTERS = {
     "lookups": "New prompts looked up in the store before computing them",
     "lookup_hit_blocks": "Leading KV blocks of looked-up prompts found in the store (loaded)",
     "lookups_failed": "Lookups the store could not answer (the prompt was computed)",
+    # Decode saving (save_decode_cache): finished requests stored, and the bytes that took.
+    "decode_saves": "Finished requests whose prompt and generated blocks were stored",
+    "decode_bytes_stored": "KV bytes stored for finished requests (decode saving)",
 }
 DURATIONS = {
     "load_seconds": "Time to load one request's KV (store read and scatter into the cache)",

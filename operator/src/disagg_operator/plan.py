@@ -148,6 +148,8 @@ def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, obj
     extra: dict[str, object] = {}
     if connector == ConnectorName.MOONCAKE_STORE:
         extra["mooncake_config_path"] = f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"
+        if spec.kv_transfer.save_decode_cache and role == "decode":
+            extra["save_decode_cache"] = True
     extra.update(spec.kv_transfer.extra_config)
     prefill_tp, decode_tp = (spec.prefill.tensor_parallel_size,
                              spec.decode.tensor_parallel_size)

@@ -167,6 +167,10 @@ class KVTransferSpec(_Model):
     load_failure_policy: Literal["Recompute", "Fail"] = Field(
         default="Recompute", description="When decode cannot load a request's KV (evicted, "
         "store restarted): recompute the prompt, or fail the request.")
+    save_decode_cache: bool = Field(
+        default=False, description="Decode instances store the KV of prompt and generated "
+        "tokens when a request finishes, so a conversation's next turn finds its whole "
+        "history in the store (MooncakeStore; costs a store write per request).")
     extra_config: dict[str, Any] = Field(
         default_factory=dict, description="Merged into kv_connector_extra_config.",
         json_schema_extra={"x-k8s-schema": _K8S_OBJECT})

@@ -94,7 +94,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 int(vllm_config.cache_config.block_size), bool(transfer.is_kv_producer),
                 bool(transfer.is_kv_consumer), identity, self.settings.load_async, self.stats,
-                lookup)
+                lookup, self.settings.save_decode_cache)
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -128,8 +128,9 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Saving happened in the forward pass that finished the prompt: the blocks can go.
-        return False, self.scheduler.request_finished(request)
+        # A prompt was stored in the forward pass that finished it; the blocks are held only
+        # for decode saving (save_decode_cache), until the worker reports the store done.
+        return self.scheduler.request_finished(request, block_ids)
 
     # -- worker side ------------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.worker.get_finished()
+        return self.worker.get_finished()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

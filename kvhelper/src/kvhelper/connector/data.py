@@ -24,6 +24,9 @@ class Transfer:
     req_id: str
     block_hashes: list[str]
     block_ids: list[int]
+    # A finished request whose blocks vLLM holds until this store is done (decode saving):
+    # the worker reports it back as sent, and vLLM frees them.
+    release: bool = False
 
 
 @dataclass

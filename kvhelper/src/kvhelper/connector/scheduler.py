@@ -31,7 +31,7 @@ log = logging.getLogger("vllm.kvhelper.connector")
 class SchedulerSide:
     def __init__(self, block_size: int, is_producer: bool, is_consumer: bool,
                  identity: dict[str, Any], load_async: bool, stats: TransferStats,
-                 lookup: StoreLookup | None = None) -> None:
+                 lookup: StoreLookup | None = None, save_decode_cache: bool = False) -> None:
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.identity = identity
@@ -39,8 +39,10 @@ class SchedulerSide:
         self.stats = stats
         # Asked for requests that carry no prefill parameters, on instances that prefill.
         self.lookup = lookup if is_producer else None
+        self.save_decode_cache = save_decode_cache and is_consumer
         self._records: dict[str, RequestRecord] = {}
         self._loads: list[Transfer] = []
+        self._finished_saves: list[Transfer] = []  # decode saving, for the next step
 
     def _record(self, request: Request) -> RequestRecord:
         record = self._records.get(request.request_id)
@@ -143,8 +145,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput
                              ) -> MooncakeStoreConnectorMetadata:
-        meta = MooncakeStoreConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = MooncakeStoreConnectorMetadata(loads=self._loads, saves=self._finished_saves)
+        self._loads, self._finished_saves = [], []
         if not self.is_producer:
             return meta
         cached = scheduler_output.scheduled_cached_reqs
@@ -175,15 +177,32 @@ class SchedulerSide:
             record.prefix_hash = hashes[usable - 1] if usable else None
         return meta
 
-    def request_finished(self, request: Request) -> dict[str, Any] | None:
-        """The kv_transfer_params for decode, for a prompt this instance stored."""
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        """Whether vLLM must keep the request's blocks until a store of them is done (decode
+        saving), and the kv_transfer_params for decode, for a prompt this instance stored."""
         record = self._records.pop(request.request_id, None)
+        hold = self._save_after_decode(request, block_ids)
         if not self.is_producer or record is None or record.saved_tokens is None:
-            return None
-        return {"do_remote_prefill": True, "do_remote_decode": False,
+            return hold, None
+        return hold, {"do_remote_prefill": True, "do_remote_decode": False,
                 PARAMS_KEY: record.saved_tokens, IDENTITY_KEY: self.identity,
                 PREFIX_HASH_KEY: record.prefix_hash, "remote_engine_id": None,
                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+    def _save_after_decode(self, request: Request, block_ids: list[int]) -> bool:
+        """With save_decode_cache, schedule storing the finished request's full blocks whose
+        KV is computed (prompt and generated tokens; the last sampled token has none)."""
+        if not self.save_decode_cache:
+            return False
+        full = min(len(request.block_hashes), request.num_computed_tokens // self.block_size,
+                   len(block_ids))
+        if full <= 0:
+            return False
+        hashes = [bytes(h).hex() for h in request.block_hashes[:full]]
+        self._finished_saves.append(Transfer(request.request_id, hashes, list(block_ids[:full]),
+                                             release=True))
+        return True
 
     def shutdown(self) -> None:
         if self.lookup is not None:

@@ -31,6 +31,9 @@ class ConnectorSettings:
     # Prefill and kv_both instances look in the store for a new prompt's leading blocks and
     # load those instead of computing them.
     store_lookup: bool = True
+    # Decode (and kv_both) instances store the full blocks of prompt plus generated tokens
+    # when a request finishes, so that a conversation's next turn finds its whole history.
+    save_decode_cache: bool = False
     # The whole extra config, read-only (Mooncake's keys are kvhelper.store's to read).
     raw: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -53,12 +56,15 @@ class ConnectorSettings:
         if shards is not None and not _positive_int(shards):
             raise SettingsError("kv_connector_extra_config.store_tp_size must be a positive "
                                 f"integer, not {shards!r}")
-        store_lookup = extra.get("store_lookup", True)
-        if not isinstance(store_lookup, bool):
-            raise SettingsError("kv_connector_extra_config.store_lookup must be true or false, "
-                                f"not {store_lookup!r}")
+        flags = {name: extra.get(name, default) for name, default in
+                 (("store_lookup", True), ("save_decode_cache", False))}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise SettingsError(f"kv_connector_extra_config.{name} must be true or false, "
+                                    f"not {value!r}")
         return cls(load_async=load_async, transfer=transfer, staging_buffer_bytes=staging,
-                   store_tp_size=shards, store_lookup=store_lookup, raw=MappingProxyType(extra))
+                   store_tp_size=shards, store_lookup=flags["store_lookup"],
+                   save_decode_cache=flags["save_decode_cache"], raw=MappingProxyType(extra))
 
 
 def _positive_int(value: Any) -> bool:

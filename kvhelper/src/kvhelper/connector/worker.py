@@ -42,6 +42,7 @@ class WorkerSide:
         self._fingerprint = ""
         self._sharding: StoreSharding | None = None  # None: rank-agnostic (MLA) pages
         self._failed_blocks: set[int] = set()
+        self._released: set[str] = set()  # finished requests whose decode save is done
         # One thread: loads run in order.
         self._loader: ThreadPoolExecutor | None = None
         self._loading: dict[str, Future[LoadOutcome]] = {}
@@ -111,13 +112,15 @@ class WorkerSide:
             else:
                 self._account(self._read(load, keys, job, started))
 
-    def get_finished(self) -> set[str] | None:
-        """Requests whose asynchronous loads are over, failed blocks included (they are in
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose decode save is done (vLLM frees their blocks), and requests
+        whose asynchronous loads are over, failed blocks included (they are in
         `get_block_ids_with_load_errors`, which vLLM asks right after this, in the same step)."""
         done = {req_id for req_id, future in self._loading.items() if future.done()}
         for req_id in done:
             self._account(self._loading.pop(req_id).result())
-        return done or None
+        released, self._released = self._released, set()
+        return released or None, done or None
 
     def _read(self, load: Transfer, keys: list[str], job: LoadJob,
               started: float) -> LoadOutcome:
@@ -164,6 +167,17 @@ class WorkerSide:
 
     def wait_for_save(self, meta: MooncakeStoreConnectorMetadata) -> None:
         assert self._mover is not None
+        # Every rank reports a decode save as done once this step's stores are (a rank that
+        # does not store these pages has nothing to wait for): vLLM frees the blocks when
+        # every rank has.
+        released = {save.req_id for save in meta.saves if save.release}
+        try:
+            self._store_all(meta)
+        finally:
+            self._released |= released
+
+    def _store_all(self, meta: MooncakeStoreConnectorMetadata) -> None:
+        assert self._mover is not None
         layout = self._mover.layout
         if layout.rank_agnostic and layout.spec.tp_rank != 0:
             return  # MLA pages are identical on every rank: rank 0 stores them once
@@ -183,9 +197,13 @@ class WorkerSide:
             self.stats.count("blocks_store_failed", len(result.failed))
             self.stats.count("bytes_stored", len(result.stored) * io.value_bytes)
             self.stats.observe("store_seconds", time.perf_counter() - started)
-            log.info("request %s: stored %d KV blocks, %d already in the store", save.req_id,
+            if save.release:
+                self.stats.count("decode_saves")
+                self.stats.count("decode_bytes_stored", len(result.stored) * io.value_bytes)
+            log.info("request %s: stored %d KV blocks, %d already in the store%s", save.req_id,
                      len(result.stored) // io.values_per_block,
-                     len(result.skipped) // io.values_per_block)
+                     len(result.skipped) // io.values_per_block,
+                     " (after decode)" if save.release else "")
 
     def shutdown(self) -> None:
         if self._loader is not None:  # loads in flight write into the cache: let them end
