@@ -11,12 +11,11 @@ and streams under way on it end with an error event instead of waiting out the s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import aiohttp
 
@@ -40,16 +39,29 @@ class Backend:
     def url(self) -> str:
         return self.instance.url
 
-    @contextlib.asynccontextmanager
-    async def deadline(self, seconds: float | None) -> AsyncIterator[asyncio.Timeout]:
+    def deadline(self, seconds: float | None) -> Deadline:
         """A wait on this instance that times out after `seconds` (None: never), or at once
         when the instance is ejected."""
-        async with asyncio.timeout(seconds) as deadline:
-            self.waiting.add(deadline)
-            try:
-                yield deadline
-            finally:
-                self.waiting.discard(deadline)
+        return Deadline(self, seconds)
+
+
+class Deadline:
+    """`async with backend.deadline(s)`: asyncio.timeout, registered with the backend while
+    it runs (a class, not a generator: it is on every decode's path)."""
+
+    __slots__ = ("_backend", "_timeout")
+
+    def __init__(self, backend: Backend, seconds: float | None) -> None:
+        self._backend, self._timeout = backend, asyncio.timeout(seconds)
+
+    async def __aenter__(self) -> asyncio.Timeout:
+        timeout = await self._timeout.__aenter__()
+        self._backend.waiting.add(timeout)
+        return timeout
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self._backend.waiting.discard(self._timeout)
+        await self._timeout.__aexit__(*exc)  # raises TimeoutError when it expired
 
 
 @dataclass
@@ -58,6 +70,9 @@ class Pool:
     eject_after: int = 2  # failed health checks, or failed requests, in a row
     backends: dict[str, Backend] = field(default_factory=dict)  # registration key -> backend
     _turn: dict[Role, itertools.count[int]] = field(default_factory=dict)
+    # Per role, the healthy instances' fingerprints: asked on every request, changed only by
+    # membership and health.
+    _fingerprints: dict[Role, set[str]] = field(default_factory=dict)
 
     def update(self, instances: dict[str, Instance]) -> None:
         """Replace the membership, keeping the state of instances that stay."""
@@ -70,13 +85,18 @@ class Pool:
         for key in set(kept) - set(self.backends):
             log.info("instance joined: %s %s", kept[key].instance.role, kept[key].url)
         self.backends = kept
+        self._fingerprints.clear()
 
     def members(self, role: Role) -> list[Backend]:
         return [b for b in self.backends.values() if b.instance.role == role]
 
     def fingerprints(self, role: Role) -> set[str]:
         """The KV fingerprints of the healthy instances of a role."""
-        return {b.instance.fingerprint for b in self.members(role) if b.healthy}
+        found = self._fingerprints.get(role)
+        if found is None:
+            found = self._fingerprints[role] = {b.instance.fingerprint
+                                                for b in self.members(role) if b.healthy}
+        return found
 
     def pick(self, role: Role, fingerprint: str | None = None,
              exclude: Iterable[Backend] = (), fingerprints: set[str] | None = None
@@ -110,6 +130,7 @@ class Pool:
         if backend.healthy:
             log.warning("ejecting %s: %s", backend.url, why)
             backend.healthy = False
+            self._fingerprints.clear()
         now = asyncio.get_running_loop().time()
         for deadline in list(backend.waiting):
             if not deadline.expired():  # one that expired has not left the set yet
@@ -125,6 +146,7 @@ class Pool:
             if ok:
                 if not backend.healthy:
                     log.info("readmitting %s", backend.url)
+                    self._fingerprints.clear()
                 backend.failures, backend.request_failures, backend.healthy = 0, 0, True
             else:
                 backend.failures += 1
