@@ -142,9 +142,9 @@ def lookup_over(store: FakeStore, shards: int | None, clock: list[float]) -> Sto
 
 
 def test_a_lookup_counts_leading_blocks_held_in_full_and_pauses_after_a_failure() -> None:
-    hashes = [bytes([i]) * 8 for i in range(4)]
-    held = {block_key("fp", h.hex(), (2, s)) for h in hashes[:3] for s in (0, 1)}
-    held.discard(block_key("fp", hashes[2].hex(), (2, 1)))  # block 2 lacks a shard
+    hashes = [(bytes([i]) * 8).hex() for i in range(4)]
+    held = {block_key("fp", h, (2, s)) for h in hashes[:3] for s in (0, 1)}
+    held.discard(block_key("fp", hashes[2], (2, 1)))  # block 2 lacks a shard
     store, clock = FakeStore(held), [0.0]
     lookup = lookup_over(store, 2, clock)
     assert lookup.stored_blocks(hashes) == 2
@@ -195,3 +195,13 @@ def test_decode_saving_holds_a_finished_requests_blocks_until_they_are_stored() 
     assert consumer.build_connector_meta(step({})).saves == []  # sent once
     off = side(consumer=True)
     assert off.request_finished(req, [4, 5, 6, 7, 8, 9]) == (False, None)  # the default
+
+
+def test_a_request_vllm_cannot_place_yet_asks_the_store_once() -> None:
+    req = request("r", 6 * BLOCK + 1, {"do_remote_decode": True})
+    store = FakeStore({block_key("fp", h.hex()) for h in req.block_hashes[:5]})
+    producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=False,
+                             stats=TransferStats(), lookup=lookup_over(store, None, [0.0]))
+    for _ in range(3):  # no free blocks: vLLM asks again on each step
+        assert producer.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, False)
+    assert store.asked == 1

@@ -141,6 +141,7 @@ async def reconcile_loop(body: kopf.Body, uid: str, namespace: str | None, name:
                 pass
     finally:
         context.wakeboard.forget(uid)
+        context.reconciler.forget(uid)
         metrics.forget(namespace or "", name)
 
 

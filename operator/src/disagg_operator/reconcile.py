@@ -138,6 +138,10 @@ class Reconciler:
         self.cluster_domain = cluster_domain
         self.clock = clock
 
+    def forget(self, uid: str) -> None:
+        """The object is gone (or no longer this process's to reconcile)."""
+        self._written.pop(uid, None)
+
     async def reconcile(self, body: Mapping[str, Any]) -> ReconcileResult:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]

@@ -55,5 +55,8 @@ class RequestRecord:
     local_hit_tokens: int | None = None
     load_scheduled: bool = False  # loaded once: a preempted and resumed request recomputes
     refused: bool = False  # prefill's pages cannot be used here
+    # (first block asked from, blocks found) of the store lookup: vLLM asks again each step
+    # while it cannot allocate a request's blocks, and the store is asked once.
+    stored_prefix: tuple[int, int] | None = None
     saved_tokens: int | None = None  # producer: prompt tokens decode can load
     prefix_hash: str | None = None  # producer: hex hash of the last of those blocks

@@ -51,14 +51,13 @@ class StoreLookup:
     def ready(self) -> bool:
         return self._layout is not None
 
-    def stored_blocks(self, hashes: Sequence[bytes]) -> int | None:
-        """How many of `hashes`' blocks, from the first, the store holds in full (every shard);
-        0 while lookups pause, None when the store could not answer."""
+    def stored_blocks(self, hashes: Sequence[str]) -> int | None:
+        """How many of the blocks of `hashes` (hex), from the first, the store holds in full
+        (every shard); 0 while lookups pause, None when the store could not answer."""
         layout = self._layout
         if layout is None or not hashes or self._clock() < self._paused_until:
             return 0
-        per_block = block_value_keys(layout.fingerprint, [h.hex() for h in hashes],
-                                     layout.shards)
+        per_block = block_value_keys(layout.fingerprint, hashes, layout.shards)
         try:
             if self._client is None:
                 self._client = self._connect(self._config)

@@ -1,6 +1,7 @@
 """The connector's scheduler side: which tokens of a request can be loaded and into which
-blocks, which blocks a finished prompt stores, and what prefill tells decode. No I/O: it runs in
-vLLM's scheduler process and only describes work for the workers."""
+blocks, which blocks a finished prompt stores, and what prefill tells decode. It runs in vLLM's
+scheduler process and only describes work for the workers; its one I/O is asking the store which
+blocks it holds (`lookup`), once per new request."""
 
 from __future__ import annotations
 
@@ -88,12 +89,17 @@ class SchedulerSide:
         last = min(len(request.block_hashes), (request.num_prompt_tokens - 1) // self.block_size)
         if last <= first:
             return 0, False
-        started = time.perf_counter()
-        found = self.lookup.stored_blocks([bytes(h) for h in request.block_hashes[first:last]])
-        self.stats.observe("lookup_seconds", time.perf_counter() - started)
-        self.stats.count("lookups")
-        if found is None:
-            self.stats.count("lookups_failed")
+        if record.stored_prefix is not None and record.stored_prefix[0] == first:
+            found: int | None = record.stored_prefix[1]  # asked again: no new lookup
+        else:
+            started = time.perf_counter()
+            found = self.lookup.stored_blocks(
+                [bytes(h).hex() for h in request.block_hashes[first:last]])
+            self.stats.observe("lookup_seconds", time.perf_counter() - started)
+            self.stats.count("lookups")
+            if found is None:
+                self.stats.count("lookups_failed")
+            record.stored_prefix = (first, found or 0)
         if not found:
             return 0, False
         self.stats.count("lookup_hit_blocks", found)

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import msgspec
@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
+from kvhelper.instances import Role
 from kvhelper.proxy.pool import Backend, Pool, Routing
 
 log = logging.getLogger("kvhelper.proxy")
@@ -34,6 +35,7 @@ REQUEST_ID_KEY = web.RequestKey("request_id", str)
 REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+T = TypeVar("T")
 # msgspec rather than the json module: the proxy parses and writes JSON three times a request.
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
@@ -272,32 +274,45 @@ class Proxy:
         decodable = self.pool.fingerprints("decode")
         if not decodable:
             raise ProxyError(503, "no healthy decode instance", "service_unavailable")
-        tried: list[Backend] = []
-        last: ProxyError | None = None
         started = time.perf_counter()
-        for _attempt in range(self.config.prefill_attempts):
-            backend = self.pool.pick("prefill", exclude=tried, fingerprints=decodable)
-            if backend is None:
-                break
-            if tried:
-                self.metrics.retries.labels("prefill").inc()
-            tried.append(backend)
-            try:
-                params = await self._prefill_on(backend, path, body, headers)
-            except AttemptFailed as failed:
-                log.warning("[%s] %s; trying another prefill instance", headers[REQUEST_ID],
-                            failed.error.message)
-                last = failed.error
-                continue
+        done = await self._on_instances(
+            "prefill", self.config.prefill_attempts, headers[REQUEST_ID],
+            lambda tried: self.pool.pick("prefill", exclude=tried, fingerprints=decodable),
+            lambda backend: self._prefill_on(backend, path, body, headers))
+        if done is not None:
             self._prefill_seconds.observe(time.perf_counter() - started)
-            return backend, params
-        if last is not None:
-            raise last
+            return done
         if self.pool.fingerprints("prefill"):
             raise ProxyError(503, "no healthy prefill instance is compatible with a healthy "
                              "decode instance (their KV fingerprints differ)",
                              "service_unavailable")
         raise ProxyError(503, "no healthy prefill instance", "service_unavailable")
+
+    async def _on_instances(self, phase: Role, attempts: int, request_id: str,
+                            pick: Callable[[list[Backend]], Backend | None],
+                            attempt: Callable[[Backend], Awaitable[T]]
+                            ) -> tuple[Backend, T] | None:
+        """Run `attempt` on an instance `pick` chooses, and on another after each failure
+        that left the client untouched (AttemptFailed), `attempts` at most; the last such
+        failure is raised. None when no instance could be picked at all."""
+        tried: list[Backend] = []
+        last: ProxyError | None = None
+        for _attempt in range(attempts):
+            backend = pick(tried)
+            if backend is None:
+                break
+            if tried:
+                self.metrics.retries.labels(phase).inc()
+            tried.append(backend)
+            try:
+                return backend, await attempt(backend)
+            except AttemptFailed as failed:
+                log.warning("[%s] %s; trying another %s instance", request_id,
+                            failed.error.message, phase)
+                last = failed.error
+        if last is not None:
+            raise last
+        return None
 
     async def _prefill_on(self, backend: Backend, path: str, body: dict[str, Any],
                           headers: dict[str, str]) -> Any:
@@ -346,23 +361,12 @@ class Proxy:
         client is retried on another compatible instance with the same kv_transfer_params (the
         pages stay in the store), up to `decode_attempts` in all."""
         fingerprint = prefill_backend.instance.fingerprint
-        tried: list[Backend] = []
-        last: ProxyError | None = None
-        for _attempt in range(self.config.decode_attempts):
-            backend = self.pool.pick("decode", fingerprint, exclude=tried)
-            if backend is None:
-                break
-            if tried:
-                self.metrics.retries.labels("decode").inc()
-            tried.append(backend)
-            try:
-                return await self._decode_on(request, backend, body, headers)
-            except AttemptFailed as failed:
-                log.warning("[%s] %s; trying another decode instance", headers[REQUEST_ID],
-                            failed.error.message)
-                last = failed.error
-        if last is not None:
-            raise last
+        done = await self._on_instances(
+            "decode", self.config.decode_attempts, headers[REQUEST_ID],
+            lambda tried: self.pool.pick("decode", fingerprint, exclude=tried),
+            lambda backend: self._decode_on(request, backend, body, headers))
+        if done is not None:
+            return done[1]
         raise ProxyError(503, "no healthy decode instance compatible with prefill instance "
                          f"{prefill_backend.url}", "service_unavailable")
 
