@@ -76,10 +76,11 @@ async def start_proxy() -> AsyncIterator[StartProxy]:
     runners: list[web.AppRunner] = []
 
     async def start(prefill: list[str], decode: list[str], discovery: Any = None,
-                    **config: Any) -> str:
+                    router: Any = None, **config: Any) -> str:
         config.setdefault("health_interval", 60.0)  # no ejection unless a test wants it
         config.setdefault("health_timeout", min(2.0, config["health_interval"] / 2))
-        proxy = Proxy(ProxyConfig(**config), discovery or StaticDiscovery(prefill, decode))
+        proxy = Proxy(ProxyConfig(**config), discovery or StaticDiscovery(prefill, decode),
+                      router)
         runner = web.AppRunner(proxy.app(), handler_cancellation=True)
         await runner.setup()
         port = free_port()

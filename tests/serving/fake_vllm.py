@@ -31,6 +31,8 @@ class FakeVLLM:
     healthy: bool = True
     frozen: bool = False  # accept connections but never answer, as a stopped process
     api_key: str | None = None  # as vLLM's --api-key: completions need it
+    # What prefill answers in kv_transfer_params (None: parameters of a peer-to-peer connector).
+    prefill_params: dict[str, Any] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)  # case-insensitive mappings
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -89,9 +91,9 @@ class FakeVLLM:
             return web.json_response({
                 "id": "cmpl-p", "object": "text_completion",
                 "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-                "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": self.name,
-                                       "remote_block_ids": [1, 2, 3], "remote_host": "h",
-                                       "remote_port": 1}})
+                "kv_transfer_params": self.prefill_params or {
+                    "do_remote_prefill": True, "remote_engine_id": self.name,
+                    "remote_block_ids": [1, 2, 3], "remote_host": "h", "remote_port": 1}})
         loaded = "loaded" if params.get("do_remote_prefill") else "recomputed"
         if not body.get("stream"):
             if self.die_after_tokens is not None:

@@ -9,12 +9,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from kvhelper.connector.data import IDENTITY_KEY, PARAMS_KEY, PREFIX_HASH_KEY
-from kvhelper.connector.lookup import StoreHandshake, StoreLookup
+from kvhelper.connector.data import IDENTITY_KEY, KEY_SPACE_KEY, PARAMS_KEY, PREFIX_HASH_KEY
+from kvhelper.connector.lookup import StoreHandshake
 from kvhelper.connector.scheduler import SchedulerSide
 from kvhelper.connector_metrics import TransferStats
 from kvhelper.keys import block_key
 from kvhelper.store import MooncakeConfig, StoreError
+from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
 
 BLOCK = 16
 IDENTITY = {"model": "m", "mla": True, "block_size": BLOCK}
@@ -134,11 +135,18 @@ class FakeStore:
         pass
 
 
-def lookup_over(store: FakeStore, shards: int | None, clock: list[float]) -> StoreLookup:
+def lookup_over(store: FakeStore, clock: list[float] | None = None) -> StoredPrefixLookup:
     config = MooncakeConfig(master_server_address="127.0.0.1:1", local_hostname="127.0.0.1")
-    lookup = StoreLookup(config, connect=lambda _: store, clock=lambda: clock[0])  # type: ignore[arg-type,return-value]
-    lookup.set_layout(StoreHandshake("fp", shards))
-    return lookup
+    now = clock or [0.0]
+    return StoredPrefixLookup(config, connect=lambda _: store, clock=lambda: now[0])  # type: ignore[arg-type,return-value]
+
+
+def producer_over(store: FakeStore) -> SchedulerSide:
+    """A prefill scheduler side whose workers have said how its (MLA) keys are made."""
+    producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=False,
+                             stats=TransferStats(), lookup=lookup_over(store))
+    producer.set_layout(StoreHandshake("fp", None))
+    return producer
 
 
 def test_a_lookup_counts_leading_blocks_held_in_full_and_pauses_after_a_failure() -> None:
@@ -146,22 +154,22 @@ def test_a_lookup_counts_leading_blocks_held_in_full_and_pauses_after_a_failure(
     held = {block_key("fp", h, (2, s)) for h in hashes[:3] for s in (0, 1)}
     held.discard(block_key("fp", hashes[2], (2, 1)))  # block 2 lacks a shard
     store, clock = FakeStore(held), [0.0]
-    lookup = lookup_over(store, 2, clock)
-    assert lookup.stored_blocks(hashes) == 2
+    lookup, space = lookup_over(store, clock), KeySpace("fp", 2)
+    assert lookup.stored_blocks(space, hashes) == 2
+    assert lookup.stored_blocks(KeySpace("other", 2), hashes) == 0
     store.down = True
-    assert lookup.stored_blocks(hashes) is None  # failed: computed, never held up
+    assert lookup.stored_blocks(space, hashes) is None  # failed: computed, never held up
     asked = store.asked
     clock[0] = 5.0
-    assert lookup.stored_blocks(hashes) == 0 and store.asked == asked  # paused
+    assert lookup.stored_blocks(space, hashes) == 0 and store.asked == asked  # paused
     store.down, clock[0] = False, 11.0
-    assert lookup.stored_blocks(hashes) == 2
+    assert lookup.stored_blocks(space, hashes) == 2
 
 
 def test_prefill_loads_the_stored_blocks_after_its_own_cached_ones() -> None:
     req = request("r", 6 * BLOCK + 1, {"do_remote_decode": True})
     store = FakeStore({block_key("fp", h.hex()) for h in req.block_hashes[:5]})
-    producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=False,
-                             stats=TransferStats(), lookup=lookup_over(store, None, [0.0]))
+    producer = producer_over(store)
     assert producer.get_num_new_matched_tokens(req, 2 * BLOCK) == (3 * BLOCK, False)
     producer.update_state_after_alloc(req, blocks(list(range(10, 17))), 3 * BLOCK)
     (load,) = producer.build_connector_meta(step({})).loads
@@ -173,7 +181,7 @@ def test_prefill_loads_the_stored_blocks_after_its_own_cached_ones() -> None:
 def test_no_lookup_before_the_workers_say_how_keys_are_made() -> None:
     config = MooncakeConfig(master_server_address="127.0.0.1:1", local_hostname="127.0.0.1")
     store = FakeStore(set())
-    lookup = StoreLookup(config, connect=lambda _: store)  # type: ignore[arg-type,return-value]
+    lookup = StoredPrefixLookup(config, connect=lambda _: store)  # type: ignore[arg-type,return-value]
     producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=True,
                              stats=TransferStats(), lookup=lookup)
     assert producer.get_num_new_matched_tokens(request("r", 5 * BLOCK), 0) == (0, False)
@@ -200,8 +208,19 @@ def test_decode_saving_holds_a_finished_requests_blocks_until_they_are_stored() 
 def test_a_request_vllm_cannot_place_yet_asks_the_store_once() -> None:
     req = request("r", 6 * BLOCK + 1, {"do_remote_decode": True})
     store = FakeStore({block_key("fp", h.hex()) for h in req.block_hashes[:5]})
-    producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=False,
-                             stats=TransferStats(), lookup=lookup_over(store, None, [0.0]))
+    producer = producer_over(store)
     for _ in range(3):  # no free blocks: vLLM asks again on each step
         assert producer.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, False)
     assert store.asked == 1
+
+
+def test_prefill_tells_the_proxy_how_its_store_keys_are_made() -> None:
+    producer = producer_over(FakeStore(set()))
+    req = request("r", 3 * BLOCK + 1, {"do_remote_decode": True})
+    assert producer.get_num_new_matched_tokens(req, 0) == (0, False)
+    producer.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
+    producer.build_connector_meta(step({"r": 3 * BLOCK + 1}))
+    _, params = producer.request_finished(req, [1, 2, 3, 4])
+    assert params is not None
+    assert KeySpace.from_json(params[KEY_SPACE_KEY]) == KeySpace("fp", None)
+    assert KeySpace.from_json({"fingerprint": "fp", "shards": True}) is None

@@ -51,12 +51,13 @@ from kvhelper.connector.data import (
     PREFIX_HASH_KEY,
     MooncakeStoreConnectorMetadata,
 )
-from kvhelper.connector.lookup import StoreHandshake, StoreLookup
+from kvhelper.connector.lookup import StoreHandshake
 from kvhelper.connector.scheduler import SchedulerSide
 from kvhelper.connector.settings import ConnectorSettings
 from kvhelper.connector.worker import WorkerSide
 from kvhelper.connector_metrics import TransferPromMetrics, TransferStats
 from kvhelper.store import MooncakeConfig
+from kvhelper.stored_prefix import StoredPrefixLookup
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -89,7 +90,7 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             self._worker = WorkerSide(vllm_config, self.settings, self.stats)
         else:
-            lookup = (StoreLookup(MooncakeConfig.load(self.settings.raw))
+            lookup = (StoredPrefixLookup(MooncakeConfig.load(self.settings.raw))
                       if self.settings.store_lookup and transfer.is_kv_producer else None)
             self._scheduler = SchedulerSide(
                 int(vllm_config.cache_config.block_size), bool(transfer.is_kv_producer),

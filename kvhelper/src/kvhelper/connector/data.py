@@ -9,13 +9,16 @@ from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from kvhelper.transfer_params import IDENTITY_KEY as IDENTITY_KEY
+from kvhelper.transfer_params import KEY_SPACE_KEY as KEY_SPACE_KEY
+from kvhelper.transfer_params import PREFIX_HASH_KEY as PREFIX_HASH_KEY
+from kvhelper.transfer_params import TOKENS_KEY
+
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-# In kv_transfer_params, from prefill to decode:
-PARAMS_KEY = "kvhelper_tokens"  # how many prompt tokens decode can load (whole blocks)
-IDENTITY_KEY = "kvhelper_identity"  # compat.identity() of the prefill instance
-PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last block decode can load
+# In kv_transfer_params (their one home is kvhelper.transfer_params).
+PARAMS_KEY = TOKENS_KEY
 
 
 @dataclass

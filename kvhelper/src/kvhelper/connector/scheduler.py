@@ -12,14 +12,17 @@ from typing import TYPE_CHECKING, Any
 from kvhelper import compat
 from kvhelper.connector.data import (
     IDENTITY_KEY,
+    KEY_SPACE_KEY,
     PARAMS_KEY,
     PREFIX_HASH_KEY,
     MooncakeStoreConnectorMetadata,
     RequestRecord,
     Transfer,
 )
-from kvhelper.connector.lookup import StoreHandshake, StoreLookup
+from kvhelper.connector.lookup import StoreHandshake
 from kvhelper.connector_metrics import TransferStats
+from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
+from kvhelper.transfer_params import load_from_store
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -32,7 +35,8 @@ log = logging.getLogger("vllm.kvhelper.connector")
 class SchedulerSide:
     def __init__(self, block_size: int, is_producer: bool, is_consumer: bool,
                  identity: dict[str, Any], load_async: bool, stats: TransferStats,
-                 lookup: StoreLookup | None = None, save_decode_cache: bool = False) -> None:
+                 lookup: StoredPrefixLookup | None = None,
+                 save_decode_cache: bool = False) -> None:
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.identity = identity
@@ -40,6 +44,9 @@ class SchedulerSide:
         self.stats = stats
         # Asked for requests that carry no prefill parameters, on instances that prefill.
         self.lookup = lookup if is_producer else None
+        # This instance's store keys, from the workers' handshake: for lookups, and told to the
+        # proxy with every stored prompt so that it can ask the store too.
+        self.key_space: KeySpace | None = None
         self.save_decode_cache = save_decode_cache and is_consumer
         self._records: dict[str, RequestRecord] = {}
         self._loads: list[Transfer] = []
@@ -79,7 +86,7 @@ class SchedulerSide:
     def _stored_prefix(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the local prefix-cache hit whose blocks the store holds, whoever
         stored them (prefill's own lookup)."""
-        if self.lookup is None or not self.lookup.ready:
+        if self.lookup is None or self.key_space is None:
             return 0, False
         record = self._record(request)
         if record.load_scheduled:  # resumed after preemption: the pages may be gone
@@ -94,7 +101,7 @@ class SchedulerSide:
         else:
             started = time.perf_counter()
             found = self.lookup.stored_blocks(
-                [bytes(h).hex() for h in request.block_hashes[first:last]])
+                self.key_space, [bytes(h).hex() for h in request.block_hashes[first:last]])
             self.stats.observe("lookup_seconds", time.perf_counter() - started)
             self.stats.count("lookups")
             if found is None:
@@ -108,8 +115,7 @@ class SchedulerSide:
         return external, self.load_async
 
     def set_layout(self, handshake: StoreHandshake) -> None:
-        if self.lookup is not None:
-            self.lookup.set_layout(handshake)
+        self.key_space = handshake.key_space
 
     def _compatible(self, request: Request, params: dict[str, Any], stored_blocks: int) -> bool:
         theirs = params.get(IDENTITY_KEY)
@@ -191,10 +197,10 @@ class SchedulerSide:
         hold = self._save_after_decode(request, block_ids)
         if not self.is_producer or record is None or record.saved_tokens is None:
             return hold, None
-        return hold, {"do_remote_prefill": True, "do_remote_decode": False,
-                PARAMS_KEY: record.saved_tokens, IDENTITY_KEY: self.identity,
-                PREFIX_HASH_KEY: record.prefix_hash, "remote_engine_id": None,
-                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+        params = load_from_store(record.saved_tokens, record.prefix_hash, self.identity)
+        if self.key_space is not None:
+            params[KEY_SPACE_KEY] = self.key_space.to_json()
+        return hold, params
 
     def _save_after_decode(self, request: Request, block_ids: list[int]) -> bool:
         """With save_decode_cache, schedule storing the finished request's full blocks whose

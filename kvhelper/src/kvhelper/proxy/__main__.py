@@ -7,6 +7,11 @@ DISAGG_PROXY_DECODE_TIMEOUT=900. API keys come only from the environment (a Secr
 DISAGG_PROXY_API_KEY, which clients must present as `Authorization: Bearer KEY`, and
 DISAGG_PROXY_BACKEND_API_KEY, the key vLLM instances were started with (--api-key); without the
 latter, a client's Authorization header is passed on to the instances.
+
+`--store-routing` asks the Mooncake store (`--mooncake-config`, as the instances use it) how
+much of each prompt it already holds, with the model's tokenizer (`--tokenizer`), and sends
+prompts it holds in full straight to decode (kvhelper.proxy.store_routing). PYTHONHASHSEED must
+be the instances' (the operator renders 0 everywhere).
 """
 
 from __future__ import annotations
@@ -67,7 +72,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="one health check's limit; shorter than --health-interval")
     add("--eject-after", type=int, default=_env("eject-after", 2),
         help="failed health checks, or failed requests, in a row that eject an instance")
+    add("--store-routing", action=argparse.BooleanOptionalAction,
+        default=_env("store-routing", "false").lower() == "true",
+        help="route on what the Mooncake store holds, skipping prefill for stored prompts")
+    add("--tokenizer", default=_env("tokenizer", None),
+        help="the model's tokenizer (Hugging Face id or directory), for --store-routing")
+    add("--tokenizer-revision", default=_env("tokenizer-revision", None))
+    add("--trust-remote-code", action="store_true",
+        default=_env("trust-remote-code", "false").lower() == "true")
+    add("--mooncake-config", default=_env("mooncake-config",
+                                          os.environ.get("MOONCAKE_CONFIG_PATH")),
+        help="the instances' mooncake.json, for --store-routing (default $MOONCAKE_CONFIG_PATH)")
+    add("--store-lookup-timeout", type=float, default=_env("store-lookup-timeout", 0.25),
+        help="longest wait for the store's answer; then the request is prefilled as usual")
     args = parser.parse_args(argv)
+    if args.store_routing and not (args.tokenizer and args.mooncake_config):
+        parser.error("--store-routing needs --tokenizer (the model's) and --mooncake-config "
+                     "(or $MOONCAKE_CONFIG_PATH)")
     if bool(args.etcd) == bool(args.prefill or args.decode):
         parser.error("give either --etcd with --prefix, or --prefill and --decode lists")
     if args.etcd and not args.prefix:
@@ -106,7 +127,20 @@ def build(args: argparse.Namespace) -> Proxy:
     discovery: StaticDiscovery | EtcdDiscovery = (
         EtcdDiscovery(args.etcd_endpoints, args.prefix) if args.etcd
         else StaticDiscovery(args.prefill, args.decode))
-    return Proxy(args.config, discovery)
+    proxy = Proxy(args.config, discovery)
+    if args.store_routing:
+        # Imported here: the tokenizer and vLLM's hashing load only when routing is on.
+        from kvhelper.proxy.prompt_blocks import TokenizerSource
+        from kvhelper.proxy.store_routing import StoreRouter
+        from kvhelper.store import MooncakeConfig
+        from kvhelper.stored_prefix import StoredPrefixLookup
+
+        config = MooncakeConfig.load({"mooncake_config_path": args.mooncake_config})
+        proxy.router = StoreRouter(
+            TokenizerSource(args.tokenizer, args.tokenizer_revision, args.trust_remote_code),
+            lambda: StoredPrefixLookup(config), args.store_lookup_timeout,
+            proxy.metrics.lookup_seconds.observe)
+    return proxy
 
 
 async def run(args: argparse.Namespace) -> None:

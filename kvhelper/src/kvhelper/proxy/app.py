@@ -27,13 +27,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
 from kvhelper.instances import Role
 from kvhelper.proxy.pool import Backend, Pool, Routing
+from kvhelper.proxy.store_routing import Prompt, Route, StoreRouter
+from kvhelper.transfer_params import REMOTE_DECODE
 
 log = logging.getLogger("kvhelper.proxy")
 REQUEST_ID = "X-Request-Id"
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
-# What prefill must be told so that vLLM keeps the KV for a remote decode.
-REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                 "remote_block_ids": None, "remote_host": None, "remote_port": None}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
 # msgspec rather than the json module: the proxy parses and writes JSON three times a request.
@@ -127,7 +126,38 @@ class Metrics:
         self.retries = Counter("disagg_proxy_retries_total",
                                "Requests sent to another instance after one failed.",
                                ["phase"], registry=self.registry)
+        # Store-aware routing (kvhelper.proxy.store_routing).
+        self.routes = Counter("disagg_proxy_route_decisions_total",
+                              "Requests by route: skip_prefill (the store held the prompt), "
+                              "prefill, fallback (the store could not be asked).", ["kind"],
+                              registry=self.registry)
+        self.fallbacks = Counter("disagg_proxy_route_fallbacks_total",
+                                 "Requests routed without the store, by reason.", ["reason"],
+                                 registry=self.registry)
+        self.prompt_tokens = Counter("disagg_proxy_prompt_tokens_total",
+                                     "Prompt tokens of requests routed on the store.",
+                                     registry=self.registry)
+        self.prefix_hit_tokens = Counter("disagg_proxy_prefix_hit_tokens_total",
+                                         "Leading prompt tokens the store held.",
+                                         registry=self.registry)
+        self.lookup_seconds = Histogram("disagg_proxy_store_lookup_seconds",
+                                        "Time to ask the store for a prompt's blocks.",
+                                        registry=self.registry,
+                                        buckets=(.0005, .001, .002, .005, .01, .025, .05, .1,
+                                                 .25, .5, 1))
+        self.hash_checks = Counter("disagg_proxy_prompt_hash_checks_total",
+                                   "The proxy's prompt hash against prefill's: agree or "
+                                   "disagree (then skip_prefill never matches).", ["result"],
+                                   registry=self.registry)
         self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def routed(self, route: Route) -> None:
+        self.routes.labels(route.kind).inc()
+        if route.kind == "fallback":
+            self.fallbacks.labels(route.reason).inc()
+        if route.prompt_tokens:
+            self.prompt_tokens.inc(route.prompt_tokens)
+            self.prefix_hit_tokens.inc(route.stored_tokens)
 
     def finished(self, endpoint: str, code: int, seconds: float) -> None:
         """Count a client request; the labelled children are looked up once per label set."""
@@ -140,11 +170,14 @@ class Metrics:
 
 
 class Proxy:
-    def __init__(self, config: ProxyConfig, discovery: StaticDiscovery | EtcdDiscovery) -> None:
+    def __init__(self, config: ProxyConfig, discovery: StaticDiscovery | EtcdDiscovery,
+                 router: StoreRouter | None = None) -> None:
         self.config = config
         self.discovery = discovery
         self.pool = Pool(routing=config.routing, eject_after=config.eject_after)
         self.metrics = Metrics()
+        self.router = router
+        self._hash_disagreement_logged: set[str] = set()
         self._slots = asyncio.Semaphore(config.max_concurrency)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -181,6 +214,8 @@ class Proxy:
                                               cookie_jar=aiohttp.DummyCookieJar())
         self._tasks = [asyncio.create_task(self.discovery.run(self.pool.update, self._stop)),
                        asyncio.create_task(self._health_loop())]
+        if self.router is not None:
+            self._tasks.append(asyncio.create_task(self.router.start()))
 
     async def _cleanup(self, _: web.Application) -> None:
         self._stop.set()
@@ -189,6 +224,8 @@ class Proxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        if self.router is not None:
+            self.router.close()
 
     async def _health_loop(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
@@ -260,25 +297,67 @@ class Proxy:
                              "rate_limit_error")
         async with self._slots:
             headers = self._upstream_headers(request, request_id)
-            prefill_backend, kv_params = await self._prefill(request.path, body, headers)
+            decodable = self.pool.fingerprints("decode")
+            if not decodable:
+                raise ProxyError(503, "no healthy decode instance", "service_unavailable")
+            route, prompt = await self._route(request.path, body, decodable)
             decode_body = dict(body)
+            if route is not None and route.kind == "skip_prefill":
+                assert route.fingerprint is not None
+                decode_body["kv_transfer_params"] = route.params
+                return await self._decode(request, route.fingerprint, "in the store",
+                                          decode_body, headers)
+            prefill_backend, kv_params = await self._prefill(
+                request.path, body, headers, decodable,
+                route.uncached_tokens if route is not None else 0)
+            if self.router is not None:
+                self._learn(prefill_backend, prompt, kv_params)
             if kv_params is not None:
                 decode_body["kv_transfer_params"] = kv_params
-            return await self._decode(request, prefill_backend, decode_body, headers)
+            return await self._decode(request, prefill_backend.instance.fingerprint,
+                                      f"of prefill instance {prefill_backend.url}",
+                                      decode_body, headers)
 
-    async def _prefill(self, path: str, body: dict[str, Any],
-                       headers: dict[str, str]) -> tuple[Backend, Any]:
+    async def _route(self, path: str, body: dict[str, Any], decodable: set[str]
+                     ) -> tuple[Route | None, Prompt | None]:
+        """Store-aware routing's decision, when it is on (None, None otherwise)."""
+        if self.router is None:
+            return None, None
+        models = {b.instance.model for b in self.pool.backends.values()}
+        route, prompt = await self.router.decide(path.endswith("/chat/completions"), body,
+                                                 models, decodable)
+        self.metrics.routed(route)
+        return route, prompt
+
+    def _learn(self, prefill: Backend, prompt: Prompt | None, kv_params: Any) -> None:
+        """What prefill's answer teaches store-aware routing, and whether the proxy hashed the
+        prompt as the instances do."""
+        assert self.router is not None
+        fingerprint = prefill.instance.fingerprint
+        self.router.learn(fingerprint, kv_params)
+        agrees = self.router.hash_agrees(prompt, fingerprint, kv_params)
+        if agrees is None:
+            return
+        self.metrics.hash_checks.labels("agree" if agrees else "disagree").inc()
+        if not agrees and fingerprint not in self._hash_disagreement_logged:
+            self._hash_disagreement_logged.add(fingerprint)
+            log.warning("the proxy hashes prompts differently from the instances of "
+                        "fingerprint %s (tokenizer, chat template or PYTHONHASHSEED differ), "
+                        "so no prompt of theirs can skip prefill", fingerprint)
+
+    async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                       decodable: set[str], uncached_tokens: int) -> tuple[Backend, Any]:
         """Prefill on an instance that some healthy decode instance can pair with (no prefill
         is spent on a request no decode instance could take); an instance that fails before
-        answering is given up for another, up to `prefill_attempts` in all."""
-        decodable = self.pool.fingerprints("decode")
-        if not decodable:
-            raise ProxyError(503, "no healthy decode instance", "service_unavailable")
+        answering is given up for another, up to `prefill_attempts` in all. With store-aware
+        routing, the instance with the least prompt tokens still to compute is picked."""
         started = time.perf_counter()
+        load = _expected_work if self.router is not None else None
         done = await self._on_instances(
             "prefill", self.config.prefill_attempts, headers[REQUEST_ID],
-            lambda tried: self.pool.pick("prefill", exclude=tried, fingerprints=decodable),
-            lambda backend: self._prefill_on(backend, path, body, headers))
+            lambda tried: self.pool.pick("prefill", exclude=tried, fingerprints=decodable,
+                                         load=load),
+            lambda backend: self._prefill_on(backend, path, body, headers, uncached_tokens))
         if done is not None:
             self._prefill_seconds.observe(time.perf_counter() - started)
             return done
@@ -315,10 +394,11 @@ class Proxy:
         return None
 
     async def _prefill_on(self, backend: Backend, path: str, body: dict[str, Any],
-                          headers: dict[str, str]) -> Any:
+                          headers: dict[str, str], uncached_tokens: int) -> Any:
         """One prefill attempt: decode's kv_transfer_params, or AttemptFailed when another
         instance could still serve the request, or the ProxyError to give the client."""
         backend.outstanding += 1
+        backend.queued_tokens += uncached_tokens
         try:
             async with self.session.post(f"{backend.url}{path}",
                                          data=_encode_json(prefill_request(body)),
@@ -346,6 +426,7 @@ class Proxy:
             raise self._unreachable(backend, "prefill", "transport", f"failed: {err}") from None
         finally:
             backend.outstanding -= 1
+            backend.queued_tokens -= uncached_tokens
 
     def _unreachable(self, backend: Backend, phase: str, reason: str,
                      what: str) -> AttemptFailed:
@@ -355,20 +436,21 @@ class Proxy:
         return AttemptFailed(ProxyError(502, f"{phase} instance {backend.url} {what}",
                                         "bad_gateway"))
 
-    async def _decode(self, request: web.Request, prefill_backend: Backend,
+    async def _decode(self, request: web.Request, fingerprint: str, kv_source: str,
                       body: dict[str, Any], headers: dict[str, str]) -> web.StreamResponse:
-        """Decode on a compatible instance. An attempt that fails before any byte reached the
-        client is retried on another compatible instance with the same kv_transfer_params (the
-        pages stay in the store), up to `decode_attempts` in all."""
-        fingerprint = prefill_backend.instance.fingerprint
+        """Decode on an instance of `fingerprint` (the KV's, which is `kv_source`). An attempt
+        that fails before any byte reached the client is retried on another compatible
+        instance with the same kv_transfer_params (the pages stay in the store), up to
+        `decode_attempts` in all. With store-aware routing, the least loaded is picked."""
+        load = _outstanding if self.router is not None else None
         done = await self._on_instances(
             "decode", self.config.decode_attempts, headers[REQUEST_ID],
-            lambda tried: self.pool.pick("decode", fingerprint, exclude=tried),
+            lambda tried: self.pool.pick("decode", fingerprint, exclude=tried, load=load),
             lambda backend: self._decode_on(request, backend, body, headers))
         if done is not None:
             return done[1]
-        raise ProxyError(503, "no healthy decode instance compatible with prefill instance "
-                         f"{prefill_backend.url}", "service_unavailable")
+        raise ProxyError(503, f"no healthy decode instance compatible with the KV {kv_source}",
+                         "service_unavailable")
 
     async def _decode_on(self, request: web.Request, backend: Backend, body: dict[str, Any],
                          upstream_headers: dict[str, str]) -> web.StreamResponse:
@@ -493,6 +575,15 @@ class Proxy:
     async def metrics_endpoint(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _expected_work(backend: Backend) -> tuple[int, int]:
+    """A prefill instance's queue: prompt tokens it has still to compute, then requests."""
+    return backend.queued_tokens, backend.outstanding
+
+
+def _outstanding(backend: Backend) -> int:
+    return backend.outstanding
 
 
 async def _json_object(request: web.Request) -> dict[str, Any]:

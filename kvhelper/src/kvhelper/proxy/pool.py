@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,6 +30,7 @@ class Backend:
     instance: Instance
     healthy: bool = True  # until a health check or failed requests say otherwise
     outstanding: int = 0
+    queued_tokens: int = 0  # prompt tokens not in the store, of the prefills in progress here
     failures: int = 0  # failed health checks in a row
     request_failures: int = 0  # failed requests in a row
     # Deadlines of the requests waiting on this instance: ejecting it expires them.
@@ -99,20 +100,24 @@ class Pool:
         return found
 
     def pick(self, role: Role, fingerprint: str | None = None,
-             exclude: Iterable[Backend] = (), fingerprints: set[str] | None = None
-             ) -> Backend | None:
+             exclude: Iterable[Backend] = (), fingerprints: set[str] | None = None,
+             load: Callable[[Backend], Any] | None = None) -> Backend | None:
         """A healthy instance of `role`, not in `exclude`, whose fingerprint is `fingerprint`
-        (or one of `fingerprints`) when given. Least-outstanding breaks ties in turn, so
-        that equal instances share the load."""
+        (or one of `fingerprints`) when given: the least `load` (by default the routing
+        policy's: none for round-robin, outstanding requests for least-outstanding), ties
+        taken in turn so that equal instances share the load."""
         excluded = set(map(id, exclude))
         candidates = [b for b in self.members(role) if b.healthy and id(b) not in excluded
                       and (fingerprint is None or b.instance.fingerprint == fingerprint)
                       and (fingerprints is None or b.instance.fingerprint in fingerprints)]
         if not candidates:
             return None
-        if self.routing == "least-outstanding":
-            low = min(b.outstanding for b in candidates)
-            candidates = [b for b in candidates if b.outstanding == low]
+        if load is None and self.routing == "least-outstanding":
+            load = _outstanding
+        if load is not None:
+            loads = [load(b) for b in candidates]
+            low = min(loads)
+            candidates = [b for b, value in zip(candidates, loads, strict=True) if value == low]
         turn = next(self._turn.setdefault(role, itertools.count()))
         return candidates[turn % len(candidates)]
 
@@ -154,3 +159,7 @@ class Pool:
                     self.eject(backend, f"{backend.failures} failed health checks")
 
         await asyncio.gather(*(probe(b) for b in list(self.backends.values())))
+
+
+def _outstanding(backend: Backend) -> int:
+    return backend.outstanding

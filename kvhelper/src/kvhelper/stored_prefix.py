@@ -1,0 +1,92 @@
+"""How many of a prompt's leading blocks the store holds: asked by an instance's scheduler side
+before it computes a prompt, and by the proxy before it decides whether a prompt needs prefill.
+
+Store keys are namespaced by a `KeySpace`: the layout fingerprint of the instances that wrote
+them and their head shards per block. The client that asks contributes no memory to the store.
+A lookup that fails counts as no hit, and lookups pause for a while after one: a prompt is
+computed, never failed or held up, when the store cannot answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvhelper.block_io import block_value_keys
+from kvhelper.store import MooncakeConfig, MooncakeKVStore
+
+log = logging.getLogger("kvhelper.stored_prefix")
+PAUSE_AFTER_FAILURE = 10.0  # seconds without lookups after one failed
+LOOKUP_BUFFER_BYTES = 1 << 20  # the lookup client moves no values
+
+
+@dataclass(frozen=True)
+class KeySpace:
+    """How one layout's store keys are made (`kvhelper.keys`)."""
+    fingerprint: str  # the cache layout's fingerprint
+    shards: int | None  # head shards per K/V block (every one must be stored); None: MLA
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "shards": self.shards}
+
+    @classmethod
+    def from_json(cls, data: object) -> KeySpace | None:
+        """From `to_json`'s form; None for anything else (an older or foreign instance)."""
+        if not isinstance(data, Mapping):
+            return None
+        fingerprint, shards = data.get("fingerprint"), data.get("shards")
+        if not isinstance(fingerprint, str) or not fingerprint:
+            return None
+        if shards is not None and (not isinstance(shards, int) or isinstance(shards, bool)
+                                   or shards < 1):
+            return None
+        return cls(fingerprint, shards)
+
+
+class StoredPrefixLookup:
+    def __init__(self, config: MooncakeConfig,
+                 connect: Callable[[MooncakeConfig], MooncakeKVStore] = MooncakeKVStore,
+                 clock: Callable[[], float] = time.monotonic,
+                 pause_after_failure: float = PAUSE_AFTER_FAILURE) -> None:
+        self._config = replace(config, global_segment_size=0,
+                               local_buffer_size=LOOKUP_BUFFER_BYTES)
+        self._connect, self._clock = connect, clock
+        self._pause = pause_after_failure
+        self._client: MooncakeKVStore | None = None
+        self._paused_until = 0.0
+
+    @property
+    def paused(self) -> bool:
+        """Lookups pause for a while after one failed."""
+        return self._clock() < self._paused_until
+
+    def stored_blocks(self, space: KeySpace, hashes: Sequence[str]) -> int | None:
+        """How many of the blocks of `hashes` (hex), from the first, the store holds in full
+        (every shard) under `space`; 0 while lookups pause, None when the store could not
+        answer."""
+        if not hashes or self.paused:
+            return 0
+        per_block = block_value_keys(space.fingerprint, hashes, space.shards)
+        try:
+            if self._client is None:
+                self._client = self._connect(self._config)
+            found = self._client.exists([key for keys in per_block for key in keys],
+                                        strict=True)
+        except Exception as err:  # the store is out of reach: compute, and ask again later
+            self._paused_until = self._clock() + self._pause
+            log.warning("looking up stored KV blocks failed (%s); computing prompts without "
+                        "the store for %.0f s", err, self._pause)
+            return None
+        width = len(per_block[0])
+        blocks = 0
+        while blocks < len(per_block) and all(found[blocks * width:(blocks + 1) * width]):
+            blocks += 1
+        return blocks
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
