@@ -76,19 +76,21 @@ def served(request, tiny_models, tmp_path_factory) -> Iterator[Served]:
 
 async def complete(session: aiohttp.ClientSession, served: Served, i: int, chat: bool,
                    stream: bool, max_tokens: int = MAX_TOKENS,
-                   ignore_eos: bool = False, text: str | None = None) -> dict[str, Any]:
-    """One request through the proxy (prompt `text`, else `prompt(i)`); returns status, prompt
-    ids and generated ids."""
+                   ignore_eos: bool = False, text: str | None = None,
+                   url: str | None = None, **extra: Any) -> dict[str, Any]:
+    """One request through the proxy (or to `url`), prompt `text`, else `prompt(i)`; returns
+    status, prompt ids and generated ids."""
     body: dict[str, Any] = {"model": served.name, "max_tokens": max_tokens, "temperature": 0,
                             "stream": stream, "return_token_ids": True,
-                            "ignore_eos": ignore_eos}
+                            "ignore_eos": ignore_eos, **extra}
     if chat:
         body["messages"] = [{"role": "user", "content": text or prompt(i)}]
         path = "/v1/chat/completions"
     else:
         body["prompt"] = text or prompt(i)
         path = "/v1/completions"
-    async with session.post(served.url + path, json=body, timeout=REQUEST_TIMEOUT) as response:
+    async with session.post((url or served.url) + path, json=body,
+                            timeout=REQUEST_TIMEOUT) as response:
         if response.status != 200:
             return {"status": response.status, "error": await response.json()}
         if not stream:
@@ -207,6 +209,83 @@ def test_a_burst_loads_every_request_from_the_store(served) -> None:
 
     results = asyncio.run(run())
     assert all(r["status"] == 200 and len(r["ids"]) == MAX_TOKENS for r in results), results
+
+
+def series(text: str, prefix: str) -> float:
+    """The sum of the samples whose line starts with `prefix` (a name and some labels)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(prefix))
+
+
+async def proxy_counts(session: aiohttp.ClientSession, served: Served) -> dict[str, float]:
+    async with session.get(f"{served.url}/metrics") as response:
+        text = await response.text()
+    return {name: series(text, prefix) for name, prefix in (
+        ("skip", 'disagg_proxy_route_decisions_total{kind="skip_prefill"}'),
+        ("prefills", 'disagg_proxy_phase_seconds_count{phase="prefill"}'),
+        ("agree", 'disagg_proxy_prompt_hash_checks_total{result="agree"}'),
+        ("disagree", 'disagg_proxy_prompt_hash_checks_total{result="disagree"}'))}
+
+
+def test_a_stored_prompt_skips_prefill_with_a_single_instances_tokens(served, tmp_path) -> None:
+    """The proxy tokenizes and hashes as vLLM does (its hashes agree with prefill's), sends a
+    prompt the store holds straight to decode, and decode's tokens are a single instance's; a
+    tenant with another cache_salt does not reuse it."""
+    async def run() -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+        async with aiohttp.ClientSession() as session:
+            counts = [await proxy_counts(session, served)]
+            results = []
+            for chat in (False, True):
+                text = f"asked twice ({'chat' if chat else 'completion'}): {prompt(50)}"
+                for _ in range(2):
+                    results.append(await complete(session, served, 0, chat, False, text=text))
+                    counts.append(await proxy_counts(session, served))
+            results.append(await complete(session, served, 0, False, False, cache_salt="b",
+                                          text=f"asked twice (completion): {prompt(50)}"))
+            counts.append(await proxy_counts(session, served))
+            return results, counts
+
+    results, counts = asyncio.run(run())
+    assert all(r["status"] == 200 for r in results), results
+    steps = [{k: after[k] - before[k] for k in after}
+             for before, after in zip(counts, counts[1:], strict=False)]
+    routes = ["skip" if step["skip"] else "prefill" if step["prefills"] else "?"
+              for step in steps]
+    assert routes == ["prefill", "skip", "prefill", "skip", "prefill"], steps
+    assert counts[-1]["disagree"] == 0 and counts[-1]["agree"] >= 3, counts[-1]
+    expected, _ = baseline(served, [r["prompt_ids"] for r in results], tmp_path)
+    assert [r["ids"] for r in results] == expected
+
+
+def test_a_prompt_evicted_after_the_proxy_looked_is_recomputed(served, tmp_path,
+                                                               monkeypatch) -> None:
+    """What decode gets when the proxy found a prompt stored and it was evicted before decode
+    loaded it: its load fails, vLLM recomputes, and the tokens are a single instance's."""
+    from kvhelper.proxy.prompt_blocks import BlockHasher, PromptTokenizer, TokenizerSource
+    from kvhelper.transfer_params import load_from_store
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # the instances' (the operator renders it)
+    text = f"never stored: {prompt(60)}"
+    tokens = PromptTokenizer(TokenizerSource(str(served.model))).tokens(False, {"prompt": text})
+    blocks = (len(tokens) - 1) // 32
+    hashes = BlockHasher("sha256").hashes(tokens, 32, blocks)
+    decode = served.decode_urls()[0]
+
+    async def run() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            failed = "vllm:kvhelper_requests_load_failed_total"
+            before = await metric_sum(session, [decode], failed)
+            result = await complete(session, served, 0, False, False, text=text, url=decode,
+                                    kv_transfer_params=load_from_store(blocks * 32, hashes[-1],
+                                                                       None))
+            await wait_until(lambda: _reaches(session, [decode], failed, before + 1), 30,
+                             "decode counted the failed load")
+            return result
+
+    result = asyncio.run(run())
+    assert result["status"] == 200 and result["prompt_ids"] == tokens, result
+    loaded, cold = baseline(served, [tokens], tmp_path)
+    assert result["ids"] in (loaded[0], cold[0])
 
 
 def test_store_restart_recovers_without_wrong_output(served, tmp_path) -> None:

@@ -113,7 +113,7 @@ def test_a_config_file_change_rolls_the_pods_that_read_it() -> None:
 
     before, after = templates("4Gi"), templates("8Gi")
     changed = {name for name in before if before[name] != after[name]}
-    assert changed == {"x-prefill", "x-decode"}  # the pods that mount mooncake.json
+    assert changed == {"x-prefill", "x-decode", "x-proxy"}  # the pods that mount mooncake.json
     key = "serving.disagg.dev/config-hash"
     assert before["x-prefill"]["metadata"]["annotations"][key] != \
         after["x-prefill"]["metadata"]["annotations"][key]

@@ -15,13 +15,21 @@ from typing import Literal, Protocol
 
 from disagg_operator.association import ETCD, ETCD_CLIENT, MOONCAKE_MASTER, child_name
 from disagg_operator.quantity import parse_quantity
-from disagg_operator.spec import ConnectorName, DisaggServingSpec, RoleSpec, SecretKeyRef
+from disagg_operator.spec import (
+    ConnectorName,
+    DisaggServingSpec,
+    RoleSpec,
+    SecretKeyRef,
+    store_routing,
+)
 
 CONFIG_DIR = "/etc/disagg"
 MOONCAKE_CONFIG_FILE = "mooncake.json"
 KVHELPER_CONNECTOR_MODULE = "kvhelper.connector"
 KVHELPER_CONNECTOR_CLASS = "MooncakeStoreConnector"
 VLLM_PORT = 8000
+# The proxy's writable directory (its root filesystem is read-only): the tokenizer's download.
+PROXY_CACHE_DIR = "/var/cache/disagg-proxy"
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 
@@ -74,6 +82,8 @@ class Component:
     main: Process
     sidecars: tuple[Process, ...] = ()
     role_spec: RoleSpec | None = None  # placement and resources of vLLM roles
+    reads_config: bool = False  # mounts config_files at CONFIG_DIR
+    cache_dir: str | None = None  # a writable scratch directory (an emptyDir in a pod)
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,8 @@ def build_plan(name: str, namespace: str, spec: DisaggServingSpec,
     for role in ("prefill", "decode"):
         components.append(_vllm_component(role, spec, etcd_endpoints, registry_prefix,
                                           addressing))
-    components.append(_proxy_component(spec, etcd_endpoints, registry_prefix))
+    components.append(_proxy_component(spec, etcd_endpoints, registry_prefix,
+                                       bool(config_files)))
     return Plan(name=name, etcd_endpoints=etcd_endpoints, etcd_managed=etcd_managed,
                 registry_prefix=registry_prefix, mooncake_master_address=master,
                 config_files=config_files, components=tuple(components))
@@ -146,8 +157,9 @@ def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, obj
     """vLLM's --kv-transfer-config for one role; the only place that decides it."""
     connector = spec.kv_transfer.connector
     extra: dict[str, object] = {}
-    if connector == ConnectorName.MOONCAKE_STORE:
+    if connector == ConnectorName.MOONCAKE_STORE and spec.kv_transfer.implementation == "kvhelper":
         extra["mooncake_config_path"] = f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"
+    if connector == ConnectorName.MOONCAKE_STORE:
         if spec.kv_transfer.save_decode_cache and role == "decode":
             extra["save_decode_cache"] = True
     extra.update(spec.kv_transfer.extra_config)
@@ -166,8 +178,12 @@ def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, obj
         "kv_connector": str(connector.value), "kv_role": kv_role,
         "kv_load_failure_policy": spec.kv_transfer.load_failure_policy.lower()}
     if connector == ConnectorName.MOONCAKE_STORE:
+        # Without the module path, vLLM loads its own connector of the same name. It reads
+        # the extra keys used here the same way (save_decode_cache, store_tp_size), and
+        # mooncake.json through MOONCAKE_CONFIG_PATH, which every MooncakeStore instance gets.
         config["kv_connector"] = KVHELPER_CONNECTOR_CLASS
-        config["kv_connector_module_path"] = KVHELPER_CONNECTOR_MODULE
+        if spec.kv_transfer.implementation == "kvhelper":
+            config["kv_connector_module_path"] = KVHELPER_CONNECTOR_MODULE
     if extra:
         config["kv_connector_extra_config"] = extra
     return config
@@ -228,6 +244,8 @@ def compatibility_labels(spec: DisaggServingSpec) -> dict[str, str]:
     }
     if spec.model.kv_cache_dtype != "auto":  # (absent when auto: existing fingerprints stay)
         labels["kvCacheDtype"] = spec.model.kv_cache_dtype
+    if spec.kv_transfer.implementation != "kvhelper":  # the two store pages differently
+        labels["implementation"] = spec.kv_transfer.implementation
     return labels
 
 
@@ -252,6 +270,9 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
     if spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE:
         # The store's own address comes from POD_IP above (kvhelper.store).
         env.append(("MOONCAKE_CONFIG_PATH", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"))
+        if spec.kv_transfer.implementation == "vllm":
+            # vLLM's connector gives the store vLLM's idea of this host's address.
+            env.append(("VLLM_HOST_IP", PodIP()))
     if spec.hf_token_secret is not None:
         env.append(("HF_TOKEN", SecretKey.of(spec.hf_token_secret, "spec.hfTokenSecret")))
     if spec.vllm_api_key_secret is not None:
@@ -278,10 +299,23 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
 
 
 def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
-                     registry_prefix: str) -> Component:
+                     registry_prefix: str, has_store_config: bool) -> Component:
     port = spec.proxy.service.port
     # Keys reach the proxy only through its environment, from Secrets (kvhelper.proxy).
     env: list[tuple[str, EnvValue]] = []
+    routing_args: tuple[str, ...] = ()
+    routes_on_store = store_routing(spec) and has_store_config
+    if routes_on_store:
+        # The proxy tokenizes and hashes prompts exactly as the instances do: the model's
+        # tokenizer, and their PYTHONHASHSEED (see _vllm_component).
+        model = spec.model
+        routing_args = ("--store-routing", "--tokenizer", model.name,
+                        *(("--tokenizer-revision", model.revision) if model.revision else ()),
+                        *(("--trust-remote-code",) if model.trust_remote_code else ()),
+                        "--mooncake-config", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}")
+        env += [("POD_IP", PodIP()), ("PYTHONHASHSEED", "0"), ("HF_HOME", PROXY_CACHE_DIR)]
+        if spec.hf_token_secret is not None:
+            env.append(("HF_TOKEN", SecretKey.of(spec.hf_token_secret, "spec.hfTokenSecret")))
     if spec.proxy.api_key_secret is not None:
         env.append(("DISAGG_PROXY_API_KEY",
                     SecretKey.of(spec.proxy.api_key_secret, "spec.proxy.apiKeySecret")))
@@ -294,12 +328,14 @@ def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
                  "--host", "0.0.0.0", "--port", str(port),
                  "--routing", spec.proxy.routing,
                  "--etcd", ",".join(etcd_endpoints),
-                 "--prefix", registry_prefix),
+                 "--prefix", registry_prefix, *routing_args),
         env=tuple(env),
         ports=(("http", port),),
         health_path="/health",
     )
-    return Component(role="proxy", replicas=spec.proxy.replicas, main=main)
+    return Component(role="proxy", replicas=spec.proxy.replicas, main=main,
+                     reads_config=routes_on_store,
+                     cache_dir=PROXY_CACHE_DIR if routes_on_store else None)
 
 
 def _mooncake_master_component(spec: DisaggServingSpec) -> Component:

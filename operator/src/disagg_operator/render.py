@@ -231,6 +231,16 @@ def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
         annotations[ANNOTATION_COMPAT] = ",".join(f"{k}={v}" for k, v in compat.items())
     elif role == "proxy":
         main["resources"] = copy.deepcopy(spec.proxy.resources or DEFAULT_RESOURCES[role])
+        if component.reads_config:
+            main["volumeMounts"] = [{"name": "config", "mountPath": plans.CONFIG_DIR,
+                                     "readOnly": True}]
+            volumes.append({"name": "config",
+                            "configMap": {"name": child_name(owner.name, CONFIG)}})
+            annotations[ANNOTATION_CONFIG_HASH] = config_hash(plan.config_files)
+        if component.cache_dir:
+            main.setdefault("volumeMounts", []).append({"name": "cache",
+                                                        "mountPath": component.cache_dir})
+            volumes.append({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}})
     elif role == "mooncake-master":
         main["resources"] = copy.deepcopy(spec.mooncake_master.resources
                                           or DEFAULT_RESOURCES[role])

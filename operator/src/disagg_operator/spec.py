@@ -163,6 +163,11 @@ class KVTransferSpec(_Model):
         default=ConnectorName.MOONCAKE_STORE,
         description="MooncakeStore is the kvhelper connector; the others are vLLM's own, "
                     "passed through unchanged.")
+    implementation: Literal["kvhelper", "vllm"] = Field(
+        default="kvhelper", description="Which MooncakeStore connector the instances run: "
+        "kvhelper (this project's: MLA pages stored once, store-aware routing) or vllm "
+        "(vLLM's built-in MooncakeStoreConnector, with its own prefix lookups; the proxy "
+        "then routes without the store).")
     mooncake: MooncakeSpec = _obj("Mooncake store settings (MooncakeStore connector).")
     load_failure_policy: Literal["Recompute", "Fail"] = Field(
         default="Recompute", description="When decode cannot load a request's KV (evicted, "
@@ -243,6 +248,11 @@ class ProxySpec(_Model):
         "proxy (Authorization: Bearer ...); default: none.")
     routing: Literal["round-robin", "least-outstanding"] = Field(
         default="round-robin", description="How each phase picks an instance.")
+    store_routing: bool | None = Field(
+        default=None, description="Route on what the Mooncake store holds: a prompt stored in "
+        "full goes straight to decode (no prefill), others to the prefill instance with the "
+        "least work. The proxy loads the model's tokenizer for it. Default: on with the "
+        "MooncakeStore connector and kvTransfer.loadFailurePolicy Recompute.")
     service: ServiceSpec = _obj("The client-facing Service.")
     resources: dict[str, Any] | None = _passthrough("Proxy container resources.", _K8S_OBJECT)
 
@@ -360,7 +370,27 @@ def parse_spec(raw: dict[str, Any] | None) -> DisaggServingSpec:
         where = ".".join(str(part) for part in first["loc"])
         raise InvalidSpecError(where, _humanize(first)) from None
     check_kv_heads(spec)
+    if spec.proxy.store_routing and spec.kv_transfer.implementation == "vllm":
+        raise InvalidSpecError("proxy.storeRouting", (
+            "the proxy computes the kvhelper connector's store keys, and "
+            "kvTransfer.implementation vllm stores under its own: set proxy.storeRouting to "
+            "false (vLLM's connector looks up stored prefixes on every instance itself)"))
+    if spec.proxy.store_routing and spec.kv_transfer.load_failure_policy == "Fail":
+        raise InvalidSpecError("proxy.storeRouting", (
+            "skipping prefill relies on decode recomputing a prompt whose pages were evicted "
+            "after the proxy looked, but kvTransfer.loadFailurePolicy is Fail: set "
+            "loadFailurePolicy to Recompute, or proxy.storeRouting to false"))
     return spec
+
+
+def store_routing(spec: DisaggServingSpec) -> bool:
+    """Whether the proxy routes on what the store holds (proxy.storeRouting, or its default)."""
+    if (spec.kv_transfer.connector != ConnectorName.MOONCAKE_STORE
+            or spec.kv_transfer.implementation != "kvhelper"):
+        return False
+    if spec.proxy.store_routing is not None:
+        return spec.proxy.store_routing
+    return spec.kv_transfer.load_failure_policy == "Recompute"
 
 
 def check_kv_heads(spec: DisaggServingSpec) -> None:
