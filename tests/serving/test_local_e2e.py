@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,17 +268,22 @@ def test_a_prompt_evicted_after_the_proxy_looked_is_recomputed(served, tmp_path,
     monkeypatch.setenv("PYTHONHASHSEED", "0")  # the instances' (the operator renders it)
     text = f"never stored: {prompt(60)}"
     tokens = PromptTokenizer(TokenizerSource(str(served.model))).tokens(False, {"prompt": text})
-    blocks = (len(tokens) - 1) // 32
-    hashes = BlockHasher("sha256").hashes(tokens, 32, blocks)
     decode = served.decode_urls()[0]
+    # vLLM's CPU MLA backend runs its own block size, whatever the spec asks.
+    with urllib.request.urlopen(f"{decode}/metrics", timeout=10) as response:
+        info = [line for line in response.read().decode().splitlines()
+                if line.startswith("vllm:cache_config_info{")]
+    block = int(info[0].split('block_size="', 1)[1].split('"', 1)[0])
+    blocks = (len(tokens) - 1) // block
+    hashes = BlockHasher("sha256").hashes(tokens, block, blocks)
 
     async def run() -> dict[str, Any]:
         async with aiohttp.ClientSession() as session:
             failed = "vllm:kvhelper_requests_load_failed_total"
             before = await metric_sum(session, [decode], failed)
             result = await complete(session, served, 0, False, False, text=text, url=decode,
-                                    kv_transfer_params=load_from_store(blocks * 32, hashes[-1],
-                                                                       None))
+                                    kv_transfer_params=load_from_store(blocks * block,
+                                                                       hashes[-1], None))
             await wait_until(lambda: _reaches(session, [decode], failed, before + 1), 30,
                              "decode counted the failed load")
             return result
@@ -351,3 +357,50 @@ def test_a_killed_decode_leaves_the_pool_and_later_requests_succeed(served) -> N
 
     asyncio.run(run())
 
+
+
+def test_a_small_trace_replay_computes_what_the_store_cannot_serve(served) -> None:
+    """30 requests of whole conversations from the Mooncake trace (benchmarks/trace_replay.py,
+    which runs the long replay against the other stacks outside CI): the prompt tokens the
+    deployment computes (prefill's, and decode's tail of requests that skipped prefill) are
+    within 5 points of the ideal of a cluster-wide prefix cache."""
+    bench = _load_benchmark("trace_replay")
+    from kvhelper.tiny_models import VOCAB
+
+    work = bench.map_to_tokens(bench.sample(bench.TRACE, 200, 24, 30), 32, VOCAB, 120.0)
+    prefills = [f"http://127.0.0.1:{item.spec.port}" for item in served.deployment.started
+                if item.spec.role == "prefill" and item.spec.port]
+    tail = "disagg_proxy_skip_prefill_computed_tokens_total"
+    sent = 'disagg_proxy_phase_seconds_count{phase="prefill"}'
+
+    def counters() -> tuple[float, float, float, float]:
+        text = bench.scrape_text(served.url)
+        return (bench.scrape(prefills, bench.computed_tokens), series(text, tail),
+                series(text, sent),
+                bench.scrape(prefills, lambda t: metric_total(t, "vllm:request_success_total")))
+
+    before = counters()
+    outcome = asyncio.run(bench.replay(served.url, served.name, work, 4))
+    assert outcome.failed == 0 and len(outcome.ttft) == len(work.prompts)
+
+    async def counted() -> bool:  # every prefill the proxy sent is in prefill's counters
+        now = counters()
+        return now[3] - before[3] >= now[2] - before[2]
+
+    asyncio.run(wait_until(counted, 30, "prefill's counters cover the replay"))
+    after = counters()
+    measured = (after[0] - before[0] + after[1] - before[1]) / work.prompt_tokens
+    ideal = work.ideal_computed() / work.prompt_tokens
+    print(f"trace replay: computed share {measured:.3f}, ideal {ideal:.3f}")
+    assert abs(measured - ideal) <= 0.05, (measured, ideal)
+
+
+def _load_benchmark(name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -140,6 +140,11 @@ class Metrics:
         self.prefix_hit_tokens = Counter("disagg_proxy_prefix_hit_tokens_total",
                                          "Leading prompt tokens the store held.",
                                          registry=self.registry)
+        self.skip_prefill_computed = Counter(
+            "disagg_proxy_skip_prefill_computed_tokens_total",
+            "Prompt tokens decode computes itself for requests that skipped prefill (after "
+            "the stored blocks): the prefill work those requests still cost.",
+            registry=self.registry)
         self.lookup_seconds = Histogram("disagg_proxy_store_lookup_seconds",
                                         "Time to ask the store for a prompt's blocks.",
                                         registry=self.registry,
@@ -158,6 +163,8 @@ class Metrics:
         if route.prompt_tokens:
             self.prompt_tokens.inc(route.prompt_tokens)
             self.prefix_hit_tokens.inc(route.stored_tokens)
+        if route.kind == "skip_prefill":
+            self.skip_prefill_computed.inc(route.uncached_tokens)
 
     def finished(self, endpoint: str, code: int, seconds: float) -> None:
         """Count a client request; the labelled children are looked up once per label set."""

@@ -1,0 +1,347 @@
+"""Replay whole conversations of the Mooncake conversation trace (../shared/traces) through local
+deployments of the tiny models, and report how much of the prompt work each one computes
+against the ideal of a cluster-wide prefix cache, with TTFT and end-to-end latency; all stacks
+measured in this run, on the same replay:
+
+- `kvhelper`: the kvhelper connector with store lookups and the proxy's store-aware routing
+  (with `--prefills 1 2`, one and two prefill instances);
+- `reuse-off`: the same stack as before this feature: no store lookups, no store routing;
+- `vllm-builtin`: vLLM's built-in MooncakeStoreConnector (kvTransfer.implementation: vllm)
+  through the same proxy;
+- `monolithic`: one ordinary vLLM instance with its own prefix cache.
+
+    .venv-serving/bin/python benchmarks/trace_replay.py --kind mla --modulo 40 --limit 120
+
+The mapping is deterministic: each trace hash id (a 512-token block) becomes one fixed block of
+`--block-tokens` random token ids (one vLLM block), a partial last block keeps its share of
+tokens, and prompts are capped at `--max-blocks` blocks, so the sharing structure is exact.
+Whole conversations are sampled (requests whose second hash id is 0 modulo `--modulo`, as
+../shared/traces/README.md explains) and time is compressed `--speedup` times. Bounded: a
+fixed number of requests, each with a timeout. As root it runs in a private network namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE_BLOCK = 512  # tokens per hash id in the trace
+TIMEOUT = aiohttp.ClientTimeout(total=300)
+COMPUTED = 'vllm:prompt_tokens_by_source_total{'
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    arrival: float  # seconds from the start of the trace
+    hash_ids: tuple[int, ...]
+    input_length: int
+
+
+@dataclass(frozen=True)
+class Replay:
+    """Requests mapped onto a tiny model: prompt token ids and arrival times."""
+    prompts: list[list[int]]
+    arrivals: list[float]
+    block_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    def ideal_computed(self) -> int:
+        """Prompt tokens an unbounded cluster-wide prefix cache would still compute: each
+        prompt's full blocks after its longest prefix seen in an earlier prompt, and at least
+        its last token (vLLM computes it), blocks being chained (a block is reusable only
+        after the same whole prefix)."""
+        seen: set[tuple[int, ...]] = set()
+        computed = 0
+        for prompt in self.prompts:
+            blocks = [tuple(prompt[i:i + self.block_tokens])
+                      for i in range(0, len(prompt) - self.block_tokens + 1, self.block_tokens)]
+            usable = (len(prompt) - 1) // self.block_tokens
+            prefixes = [tuple(blocks[:i + 1]) for i in range(len(blocks))]
+            hit = 0
+            while hit < usable and hash(prefixes[hit]) in seen:
+                hit += 1
+            computed += len(prompt) - hit * self.block_tokens
+            seen.update(hash(p) for p in prefixes)
+        return computed
+
+
+def sample(trace: Path, modulo: int, max_blocks: int, limit: int) -> list[TraceRequest]:
+    """Whole conversations: requests whose second hash id is 0 modulo `modulo` (all turns of a
+    conversation share their leading ids), prompts capped at `max_blocks` blocks."""
+    found = []
+    with trace.open() as lines:
+        for line in lines:
+            row = json.loads(line)
+            ids = row["hash_ids"]
+            if len(ids) < 2 or ids[1] % modulo:
+                continue
+            length = min(int(row["input_length"]), max_blocks * TRACE_BLOCK)
+            found.append(TraceRequest(row["timestamp"] / 1000, tuple(ids[:max_blocks]), length))
+            if len(found) >= limit:
+                break
+    return found
+
+
+def map_to_tokens(requests: list[TraceRequest], block_tokens: int, vocab: int,
+                  speedup: float, seed: int = 0) -> Replay:
+    """Each hash id -> one fixed block of token ids; a partial last block keeps its share."""
+    blocks: dict[int, list[int]] = {}
+
+    def block(hash_id: int) -> list[int]:
+        if hash_id not in blocks:
+            rng = random.Random(seed * 1_000_003 + hash_id)
+            blocks[hash_id] = [rng.randrange(10, vocab) for _ in range(block_tokens)]
+        return blocks[hash_id]
+
+    prompts = []
+    for request in requests:
+        tokens: list[int] = []
+        for index, hash_id in enumerate(request.hash_ids):
+            covered = min(TRACE_BLOCK, request.input_length - index * TRACE_BLOCK)
+            share = max(1, round(covered / TRACE_BLOCK * block_tokens))
+            tokens += block(hash_id)[:share]
+        prompts.append(tokens)
+    start = requests[0].arrival if requests else 0.0
+    return Replay(prompts, [(r.arrival - start) / speedup for r in requests], block_tokens)
+
+
+@dataclass
+class Outcome:
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    failed: int = 0
+
+
+async def replay(url: str, model: str, work: Replay, max_tokens: int,
+                 concurrency: int = 16) -> Outcome:
+    """Send every prompt at its arrival time (streamed); TTFT and end-to-end per request."""
+    outcome = Outcome()
+    limit = asyncio.Semaphore(concurrency)
+    began = time.perf_counter()
+
+    async def one(session: aiohttp.ClientSession, prompt: list[int], at: float) -> None:
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - began)))
+        async with limit:
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "stream": True, "ignore_eos": True}
+            started = time.perf_counter()
+            first = 0.0
+            try:
+                async with session.post(f"{url}/v1/completions", json=body,
+                                        timeout=TIMEOUT) as response:
+                    if response.status != 200:
+                        outcome.failed += 1
+                        return
+                    async for raw in response.content:
+                        if raw.startswith(b"data: {") and b'"error"' not in raw:
+                            first = first or time.perf_counter()
+            except (aiohttp.ClientError, TimeoutError):
+                outcome.failed += 1
+                return
+            if not first:
+                outcome.failed += 1
+                return
+            outcome.ttft.append(first - started)
+            outcome.e2e.append(time.perf_counter() - started)
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(one(session, p, t)
+                               for p, t in zip(work.prompts, work.arrivals, strict=True)))
+    return outcome
+
+
+def computed_tokens(metrics_text: str) -> float:
+    """Prompt tokens an instance computed itself (not from its prefix cache or a transfer)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+               if line.startswith(COMPUTED) and 'source="local_compute"' in line)
+
+
+def scrape(urls: list[str], parse: Callable[[str], float]) -> float:
+    import urllib.request
+
+    total = 0.0
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            total += parse(response.read().decode())
+    return total
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
+@dataclass
+class Row:
+    stack: str
+    computed_share: float  # by the instances that prefill (all instances for monolithic)
+    all_share: float  # every instance, decode's own recomputed tail included
+    outcome: Outcome
+    routes: dict[str, float]
+
+
+def route_counts(text: str) -> dict[str, float]:
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("disagg_proxy_route_decisions_total{"):
+            kind = line.split('kind="', 1)[1].split('"', 1)[0]
+            counts[kind] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: Path,
+              max_tokens: int) -> Row:
+    import yaml
+    from disagg_operator.local.cli import with_tiny_model
+    from disagg_operator.local.runner import LocalDeployment, RunFolder, stop_recorded
+    from disagg_operator.spec import parse_spec
+    from kvhelper.master_process import free_port
+
+    doc = yaml.safe_load((ROOT / "examples" / f"tiny-{kind}-1p2d.yaml").read_text())
+    spec_doc = doc["spec"]
+    spec_doc.setdefault("prefill", {})["replicas"] = prefills
+    transfer = spec_doc.setdefault("kvTransfer", {})
+    if stack == "reuse-off":
+        transfer.setdefault("extraConfig", {})["store_lookup"] = False
+        spec_doc.setdefault("proxy", {})["storeRouting"] = False
+    elif stack == "vllm-builtin":
+        transfer["implementation"] = "vllm"
+    folder = RunFolder(folder_root / f"{stack}-{prefills}p")
+    spec = with_tiny_model(parse_spec(spec_doc), folder, sys.executable)
+    served = spec.model.served_model_name or spec.model.name
+    deployment = LocalDeployment(doc["metadata"]["name"], spec, folder, proxy_port=free_port(),
+                                 echo=lambda _: None)
+    try:
+        url = asyncio.run(deployment.up(timeout=900))
+        instances = {role: [f"http://127.0.0.1:{i.spec.port}" for i in deployment.started
+                            if i.spec.role == role and i.spec.port]
+                     for role in ("prefill", "decode")}
+        every = instances["prefill"] + instances["decode"]
+        before = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens))
+        outcome = asyncio.run(replay(url, served, work, max_tokens))
+        # vLLM publishes its counters on its logging interval, not with each response.
+        time.sleep(12)
+        after = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens))
+        routes = route_counts(scrape_text(url))
+        skipped_tail = 0.0
+        if routes.get("skip_prefill"):
+            # Requests that skipped prefill computed their tail on decode: prefill work.
+            skipped_tail = scrape_proxy(url, "disagg_proxy_skip_prefill_computed_tokens_total")
+    finally:
+        stop_recorded(folder, lambda _: None)
+    total = work.prompt_tokens
+    return Row(f"{stack} {prefills}P2D", (after[0] - before[0] + skipped_tail) / total,
+               (after[1] - before[1]) / total, outcome, routes)
+
+
+def scrape_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def scrape_proxy(url: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in scrape_text(url).splitlines()
+               if line.startswith((name + " ", name + "{")))
+
+
+def run_monolithic(kind: str, work: Replay, folder_root: Path, max_tokens: int) -> Row:
+    import yaml
+    from disagg_operator.local.cli import with_tiny_model
+    from disagg_operator.local.runner import RunFolder
+    from disagg_operator.spec import parse_spec
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from local_1p2d import start_single
+
+    doc = yaml.safe_load((ROOT / "examples" / f"tiny-{kind}-1p2d.yaml").read_text())
+    spec = with_tiny_model(parse_spec(doc["spec"]), RunFolder(folder_root / "mono"),
+                           sys.executable)
+    served = spec.model.served_model_name or spec.model.name
+    process, url = start_single(sys.executable, Path(spec.model.name), served,
+                                list(spec.decode.extra_args), folder_root / "mono.log")
+    try:
+        before = scrape([url], computed_tokens)
+        outcome = asyncio.run(replay(url, served, work, max_tokens))
+        time.sleep(12)
+        after = scrape([url], computed_tokens)
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(30)
+    share = (after - before) / work.prompt_tokens
+    return Row("monolithic", share, share, outcome, {})
+
+
+def report(kind: str, work: Replay, rows: list[Row]) -> str:
+    ideal = work.ideal_computed() / work.prompt_tokens
+    lines = [f"tiny {kind.upper()} model: {len(work.prompts)} requests, "
+             f"{work.prompt_tokens} prompt tokens; ideal computed share {ideal:.3f}",
+             f"{'stack':<22}{'computed':>9}{'vs ideal':>9}{'all inst':>9}"
+             f"{'TTFT p50':>10}{'p90':>8}{'e2e p50':>9}{'failed':>7}  routes"]
+    for row in rows:
+        out = row.outcome
+        lines.append(
+            f"{row.stack:<22}{row.computed_share:>9.3f}{row.computed_share - ideal:>+9.3f}"
+            f"{row.all_share:>9.3f}{statistics.median(out.ttft or [0]) * 1000:>8.0f}ms"
+            f"{percentile(out.ttft, 0.9) * 1000:>6.0f}ms"
+            f"{statistics.median(out.e2e or [0]) * 1000:>7.0f}ms{out.failed:>7}  "
+            + " ".join(f"{k}={v:.0f}" for k, v in sorted(row.routes.items())))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", choices=["mla", "gqa"], default="mla")
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--modulo", type=int, default=40)
+    parser.add_argument("--limit", type=int, default=120, help="requests replayed")
+    parser.add_argument("--max-blocks", type=int, default=24)
+    parser.add_argument("--block-tokens", type=int, default=32)
+    parser.add_argument("--speedup", type=float, default=60.0)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--prefills", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--stacks", nargs="+",
+                        default=["kvhelper", "reuse-off", "vllm-builtin", "monolithic"])
+    args = parser.parse_args()
+    if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
+        os.environ["DISAGG_BENCH_NETNS"] = "1"
+        os.execvp("unshare", ["unshare", "-n", "sh", "-c",
+                              'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    requests = sample(args.trace, args.modulo, args.max_blocks, args.limit)
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as scratch:
+        root = Path(scratch)
+        from kvhelper.tiny_models import VOCAB
+
+        work = map_to_tokens(requests, args.block_tokens, VOCAB, args.speedup)
+        rows = []
+        for stack in args.stacks:
+            if stack == "monolithic":
+                rows.append(run_monolithic(args.kind, work, root, args.max_tokens))
+                continue
+            for prefills in (args.prefills if stack == "kvhelper" else args.prefills[:1]):
+                rows.append(run_stack(args.kind, stack, prefills, work, root, args.max_tokens))
+            print(report(args.kind, work, rows), flush=True)
+    print(report(args.kind, work, rows))
+
+
+if __name__ == "__main__":
+    main()
