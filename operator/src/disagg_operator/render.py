@@ -37,6 +37,9 @@ DEFAULT_RESOURCES: dict[str, dict[str, Any]] = {
     "mooncake-master": {"requests": {"cpu": "200m", "memory": "256Mi"},
                         "limits": {"memory": "2Gi"}},
     "proxy": {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+    # Store-aware routing loads the tokenizer and vLLM's hashing (with torch): ~600 MiB measured.
+    "proxy-store-routing": {"requests": {"cpu": "500m", "memory": "768Mi"},
+                            "limits": {"memory": "2Gi"}},
 }
 
 _APP_NAMES = {"prefill": "vllm", "decode": "vllm", "proxy": "disagg-proxy",
@@ -230,7 +233,8 @@ def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
         compat = plans.compatibility_labels(spec)
         annotations[ANNOTATION_COMPAT] = ",".join(f"{k}={v}" for k, v in compat.items())
     elif role == "proxy":
-        main["resources"] = copy.deepcopy(spec.proxy.resources or DEFAULT_RESOURCES[role])
+        default = DEFAULT_RESOURCES["proxy-store-routing" if component.reads_config else role]
+        main["resources"] = copy.deepcopy(spec.proxy.resources or default)
         if component.reads_config:
             main["volumeMounts"] = [{"name": "config", "mountPath": plans.CONFIG_DIR,
                                      "readOnly": True}]
