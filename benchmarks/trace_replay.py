@@ -198,11 +198,15 @@ class Row:
 
 
 def route_counts(text: str) -> dict[str, float]:
+    """Route decisions by kind, and fallbacks by reason (`fallback:<reason>`)."""
     counts: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("disagg_proxy_route_decisions_total{"):
-            kind = line.split('kind="', 1)[1].split('"', 1)[0]
-            counts[kind] = float(line.rsplit(" ", 1)[1])
+        for metric, label, prefix in (("disagg_proxy_route_decisions_total{", "kind", ""),
+                                      ("disagg_proxy_route_fallbacks_total{", "reason",
+                                       "fallback:")):
+            if line.startswith(metric):
+                value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+                counts[prefix + value] = float(line.rsplit(" ", 1)[1])
     return counts
 
 

@@ -51,7 +51,8 @@ async def test_apply_defaults_and_printer_columns(cluster) -> None:
     key = (kmock.resource("serving.disagg.dev", "v1alpha1", "disaggservings"),
            "default", "dsv2-lite")
     obs = Observation(generation=1, desired=[], observed={}, etcd_mode="Managed",
-                      etcd_endpoints=("e:2379",), etcd_health=None, endpoint="http://p:8000")
+                      etcd_endpoints=("e:2379",), etcd_health=None, endpoint="http://p:8000",
+                      roles={})
     status = compute_status(obs, {}, "2026-01-01T00:00:00Z")
     status["prefill"] = {"replicas": 1, "readyReplicas": 1, "summary": "1/1"}
     status["decode"] = {"replicas": 2, "readyReplicas": 1, "summary": "1/2"}

@@ -116,3 +116,15 @@ async def test_a_stale_snapshot_neither_rewrites_the_status_nor_repeats_its_even
     assert len(api.status_patches) == 1
     caught_up = await reconciler.reconcile({**body, "status": first.status})
     assert not caught_up.status_written and caught_up.events == []
+
+
+async def test_the_reconciler_says_when_to_look_again() -> None:
+    """Soon while not Ready (a spec to fix, an etcd that may come back, pods starting)."""
+    from disagg_operator.etcd_health import EtcdHealthChecker
+    from disagg_operator.reconcile import Reconciler
+
+    body = {"metadata": {"name": "x", "namespace": "default", "uid": "u2", "generation": 1},
+            "spec": {}}
+    reconciler = Reconciler(RecordingApi(), EtcdHealthChecker(timeout=0.1), "img:1",  # type: ignore[arg-type]
+                            clock=lambda: "t", resync_seconds=60.0, not_ready_resync_seconds=3.0)
+    assert (await reconciler.reconcile(body)).requeue_after == 3.0

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 import yaml
 from disagg_operator import plan
+from disagg_operator.association import Owner
 from disagg_operator.crd import render_crd_yaml
-from disagg_operator.render import Owner, render
+from disagg_operator.render import render_spec as render
 from disagg_operator.spec import InvalidSpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]

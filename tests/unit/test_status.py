@@ -3,8 +3,10 @@
 from pathlib import Path
 
 import yaml
+from disagg_operator import plan
+from disagg_operator.association import Owner, child_name
 from disagg_operator.etcd_health import EtcdHealth
-from disagg_operator.render import Owner, render
+from disagg_operator.render import render_spec as render
 from disagg_operator.spec import parse_spec
 from disagg_operator.status import Observation, compute_status, condition, transition_events
 
@@ -34,7 +36,15 @@ def _obs(ready: dict[str, int], healthy: bool = True) -> Observation:
     return Observation(generation=1, desired=desired, observed=_observed(desired, ready),
                        etcd_mode="Managed", etcd_endpoints=("e:2379",),
                        etcd_health=EtcdHealth(healthy, "ok" if healthy else "refused"),
-                       endpoint="http://dsv2-lite-proxy:8000")
+                       endpoint="http://dsv2-lite-proxy:8000", roles=_roles())
+
+
+def _roles() -> dict[str, str]:
+    """The plan's role of each workload (the status step takes them from the plan)."""
+    doc = yaml.safe_load((ROOT / "examples/deepseek-v2-lite-1p2d.yaml").read_text())
+    built = plan.build_plan("dsv2-lite", "default", parse_spec(doc["spec"]),
+                            plan.ClusterAddressing("default"))
+    return {child_name("dsv2-lite", c.role): c.role for c in built.components}
 
 
 def test_all_ready_is_ready_and_transition_time_is_kept() -> None:

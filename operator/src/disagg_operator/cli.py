@@ -8,8 +8,9 @@ from pathlib import Path
 import click
 import yaml
 
+from disagg_operator.association import Owner
 from disagg_operator.crd import render_crd_yaml
-from disagg_operator.render import Owner, render
+from disagg_operator.render import render_spec
 from disagg_operator.spec import InvalidSpecError, parse_spec
 
 DEFAULT_SERVING_IMAGE = "disagg-operator/serving:0.1.0"
@@ -43,7 +44,8 @@ def render_cmd(path: Path, namespace: str, default_image: str) -> None:
         click.echo(f"error: {path}: {err}", err=True)
         sys.exit(2)
     owner = Owner(meta.get("name", "unnamed"), meta.get("namespace", namespace), "<uid>")
-    click.echo(yaml.safe_dump_all(render(owner, spec, default_image), sort_keys=False), nl=False)
+    click.echo(yaml.safe_dump_all(render_spec(owner, spec, default_image), sort_keys=False),
+               nl=False)
 
 
 @main.command("run")

@@ -19,10 +19,10 @@ from lightkube import AsyncClient
 from prometheus_client import start_http_server
 
 from disagg_operator import metrics
+from disagg_operator.association import LABEL_MANAGED_BY, MANAGED_BY
 from disagg_operator.etcd_health import EtcdHealthChecker
 from disagg_operator.kube import ApiFailure, LightkubeApi
 from disagg_operator.reconcile import Reconciler
-from disagg_operator.render import LABEL_MANAGED_BY, MANAGED_BY
 from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 FINALIZER = f"{GROUP}/finalizer"
@@ -87,7 +87,9 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         LightkubeApi(client),
         EtcdHealthChecker(ttl=config.etcd_health_ttl_seconds,
                           address_overrides=config.etcd_address_overrides),
-        default_image=config.default_image, cluster_domain=config.cluster_domain)
+        default_image=config.default_image, cluster_domain=config.cluster_domain,
+        resync_seconds=config.resync_seconds,
+        not_ready_resync_seconds=config.not_ready_resync_seconds)
     memo.context = OperatorContext(config, client, reconciler, WakeBoard())
     if config.metrics_port is not None:
         start_http_server(config.metrics_port)
@@ -132,8 +134,7 @@ async def reconcile_loop(body: kopf.Body, uid: str, namespace: str | None, name:
                 if result.applied or result.pruned:
                     logger.info("Applied %s; pruned %s", _names(result.applied),
                                 _names(result.pruned))
-                delay = config.resync_seconds if _is_ready(result.status) \
-                    else config.not_ready_resync_seconds
+                delay = result.requeue_after
             try:
                 await asyncio.wait_for(wake.wait(), timeout=delay)
                 await asyncio.sleep(config.debounce_seconds)  # coalesce a burst of events
@@ -168,11 +169,6 @@ async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
             board.wake(ref["uid"])
-
-
-def _is_ready(status: Mapping[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in status.get("conditions") or [])
 
 
 def _names(keys: list[tuple[str, str]]) -> str:

@@ -15,7 +15,8 @@ from lightkube.generic_resource import create_namespaced_resource
 from lightkube.types import CascadeType, PatchType
 
 from disagg_operator import metrics
-from disagg_operator.render import Manifest, Owner, owned_labels
+from disagg_operator.association import Owner, owned_labels
+from disagg_operator.render import Manifest
 from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 FIELD_MANAGER = "disagg-operator"

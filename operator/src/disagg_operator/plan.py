@@ -7,11 +7,13 @@ This module is pure: no I/O, no clock, no randomness.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from disagg_operator.association import ETCD, ETCD_CLIENT, MOONCAKE_MASTER, child_name
 from disagg_operator.quantity import parse_quantity
@@ -30,10 +32,28 @@ KVHELPER_CONNECTOR_CLASS = "MooncakeStoreConnector"
 VLLM_PORT = 8000
 # The proxy's writable directory (its root filesystem is read-only): the tokenizer's download.
 PROXY_CACHE_DIR = "/var/cache/disagg-proxy"
+# On vLLM pods: what prefill and decode must share (compatibility_labels), for people reading.
+ANNOTATION_COMPAT = "serving.disagg.dev/compatibility"
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 
-VLLMRole = Literal["prefill", "decode"]
+
+
+class Role(enum.StrEnum):
+    """What a component is; its value is the child's name suffix and its component label."""
+    PREFILL = "prefill"
+    DECODE = "decode"
+    PROXY = "proxy"
+    MOONCAKE_MASTER = "mooncake-master"
+    ETCD = "etcd"
+
+    @property
+    def is_vllm(self) -> bool:
+        return self in (Role.PREFILL, Role.DECODE)
+
+
+VLLMRole = Literal[Role.PREFILL, Role.DECODE]
+VLLM_ROLES: tuple[VLLMRole, ...] = (Role.PREFILL, Role.DECODE)
 
 
 @dataclass(frozen=True)
@@ -74,16 +94,33 @@ class Process:
 
 
 @dataclass(frozen=True)
+class ModelCache:
+    """Where a vLLM pod keeps model weights (HF_HOME): a PVC, or an emptyDir."""
+
+    mount_path: str
+    pvc_claim_name: str | None = None
+    empty_dir_size_limit: str | int | None = None
+
+
+@dataclass(frozen=True)
 class Component:
     """A group of identical processes: a Deployment or StatefulSet in Kubernetes."""
 
-    role: str  # prefill, decode, proxy, mooncake-master, etcd
+    role: Role
     replicas: int
     main: Process
     sidecars: tuple[Process, ...] = ()
     role_spec: RoleSpec | None = None  # placement and resources of vLLM roles
     reads_config: bool = False  # mounts config_files at CONFIG_DIR
     cache_dir: str | None = None  # a writable scratch directory (an emptyDir in a pod)
+    # In Kubernetes only:
+    resources: Mapping[str, Any] | None = None  # None: the renderer's default for the role
+    image: str | None = None  # its own image (etcd); None: the serving image
+    service_type: str = "ClusterIP"  # of its Service (the proxy's is the spec's)
+    add_capabilities: tuple[str, ...] = ()  # IPC_LOCK for RDMA
+    model_cache: ModelCache | None = None  # vLLM roles
+    storage_size: str | int | None = None  # etcd's data volume claim; None: an emptyDir
+    annotations: tuple[tuple[str, str], ...] = ()  # on its pods
 
 
 @dataclass(frozen=True)
@@ -95,6 +132,14 @@ class Plan:
     mooncake_master_address: str | None
     config_files: dict[str, str] = field(default_factory=dict)  # file name -> content
     components: tuple[Component, ...] = ()
+    # In Kubernetes only:
+    image: str | None = None  # the serving image; None: the operator's default
+    image_pull_policy: str = "IfNotPresent"
+    image_pull_secrets: tuple[str, ...] = ()
+    proxy_port: int = 8000  # where clients reach the proxy's Service
+
+    def component(self, role: Role) -> Component | None:
+        return next((c for c in self.components if c.role == role), None)
 
 
 class Addressing(Protocol):
@@ -140,17 +185,20 @@ def build_plan(name: str, namespace: str, spec: DisaggServingSpec,
 
     components: list[Component] = []
     if etcd_managed:
-        components.append(_etcd_component(name))
+        components.append(_etcd_component(name, spec))
     if uses_store:
         components.append(_mooncake_master_component(spec))
-    for role in ("prefill", "decode"):
+    for role in VLLM_ROLES:
         components.append(_vllm_component(role, spec, etcd_endpoints, registry_prefix,
                                           addressing))
     components.append(_proxy_component(spec, etcd_endpoints, registry_prefix,
                                        bool(config_files)))
     return Plan(name=name, etcd_endpoints=etcd_endpoints, etcd_managed=etcd_managed,
                 registry_prefix=registry_prefix, mooncake_master_address=master,
-                config_files=config_files, components=tuple(components))
+                config_files=config_files, components=tuple(components),
+                image=spec.image, image_pull_policy=spec.image_pull_policy,
+                image_pull_secrets=tuple(s.name for s in spec.image_pull_secrets),
+                proxy_port=spec.proxy.service.port)
 
 
 def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, object]:
@@ -160,7 +208,7 @@ def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, obj
     if connector == ConnectorName.MOONCAKE_STORE and spec.kv_transfer.implementation == "kvhelper":
         extra["mooncake_config_path"] = f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"
     if connector == ConnectorName.MOONCAKE_STORE:
-        if spec.kv_transfer.save_decode_cache and role == "decode":
+        if spec.kv_transfer.save_decode_cache and role == Role.DECODE:
             extra["save_decode_cache"] = True
     extra.update(spec.kv_transfer.extra_config)
     prefill_tp, decode_tp = (spec.prefill.tensor_parallel_size,
@@ -173,7 +221,7 @@ def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, obj
     if connector == ConnectorName.NIXL:
         kv_role = "kv_both"  # NIXL pulls from either side; vLLM documents kv_both for it
     else:
-        kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
+        kv_role = "kv_producer" if role == Role.PREFILL else "kv_consumer"
     config: dict[str, object] = {
         "kv_connector": str(connector.value), "kv_role": kv_role,
         "kv_load_failure_policy": spec.kv_transfer.load_failure_policy.lower()}
@@ -284,7 +332,7 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
         name="registrar",
         command=(
             "python3", "-m", "kvhelper.registry",
-            "--role", role,
+            "--role", str(role),
             "--url", addressing.registration_url(),
             "--health-url", f"http://127.0.0.1:{VLLM_PORT}/health",
             "--model", spec.model.served_model_name or spec.model.name,
@@ -294,8 +342,16 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
         ),
         env=(("POD_IP", PodIP()),),
     )
+    cache = spec.model.cache
+    compat = ",".join(f"{k}={v}" for k, v in compatibility_labels(spec).items())
     return Component(role=role, replicas=role_spec.replicas, main=main,
-                     sidecars=(registrar,), role_spec=role_spec)
+                     sidecars=(registrar,), role_spec=role_spec,
+                     reads_config=spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE,
+                     add_capabilities=(("IPC_LOCK",) if spec.kv_transfer.mooncake.protocol
+                                       == "rdma" else ()),
+                     model_cache=ModelCache(cache.mount_path, cache.pvc_claim_name,
+                                            cache.empty_dir_size_limit),
+                     annotations=((ANNOTATION_COMPAT, compat),))
 
 
 def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
@@ -333,9 +389,10 @@ def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
         ports=(("http", port),),
         health_path="/health",
     )
-    return Component(role="proxy", replicas=spec.proxy.replicas, main=main,
+    return Component(role=Role.PROXY, replicas=spec.proxy.replicas, main=main,
                      reads_config=routes_on_store,
-                     cache_dir=PROXY_CACHE_DIR if routes_on_store else None)
+                     cache_dir=PROXY_CACHE_DIR if routes_on_store else None,
+                     resources=spec.proxy.resources, service_type=spec.proxy.service.type)
 
 
 def _mooncake_master_component(spec: DisaggServingSpec) -> Component:
@@ -353,10 +410,11 @@ def _mooncake_master_component(spec: DisaggServingSpec) -> Component:
         health_path=None,
     )
     # One master: Mooncake keeps objects in the master's memory, and two would split the store.
-    return Component(role="mooncake-master", replicas=1, main=main)
+    return Component(role=Role.MOONCAKE_MASTER, replicas=1, main=main,
+                     resources=master.resources)
 
 
-def _etcd_component(name: str) -> Component:
+def _etcd_component(name: str, spec: DisaggServingSpec) -> Component:
     peer_service = child_name(name, ETCD)
     main = Process(
         name="etcd",
@@ -375,4 +433,6 @@ def _etcd_component(name: str) -> Component:
         ports=(("client", ETCD_CLIENT_PORT), ("peer", ETCD_PEER_PORT)),
         health_path="/health",
     )
-    return Component(role="etcd", replicas=1, main=main)
+    etcd = spec.etcd
+    return Component(role=Role.ETCD, replicas=1, main=main, resources=etcd.resources,
+                     image=etcd.image, storage_size=etcd.storage_size)

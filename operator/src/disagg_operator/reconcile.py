@@ -18,13 +18,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from disagg_operator import metrics
-from disagg_operator.association import PROXY, child_name, name_problem
+from disagg_operator.association import PROXY, Owner, child_name, name_problem
 from disagg_operator.etcd_health import EtcdHealthChecker
 from disagg_operator.kube import ApiFailure, ChildKey, ClusterApi
-from disagg_operator.plan import ClusterAddressing, build_plan
+from disagg_operator.plan import ClusterAddressing, Plan, build_plan
 from disagg_operator.quantity import parse_quantity
-from disagg_operator.render import Manifest, Owner, render
-from disagg_operator.spec import DisaggServingSpec, InvalidSpecError, parse_spec
+from disagg_operator.render import Manifest, render
+from disagg_operator.spec import InvalidSpecError, parse_spec
 from disagg_operator.status import (
     EventSpec,
     Observation,
@@ -48,6 +48,7 @@ class ReconcileResult:
     pruned: list[ChildKey] = field(default_factory=list)
     status_written: bool = False
     error: str | None = None
+    requeue_after: float = 0.0  # seconds until the next reconcile, unless something changes
 
 
 def with_applied_hash(manifest: Manifest) -> Manifest:
@@ -130,8 +131,13 @@ class WrittenStatus:
 class Reconciler:
     def __init__(self, api: ClusterApi, etcd: EtcdHealthChecker, default_image: str,
                  cluster_domain: str = "cluster.local",
-                 clock: Callable[[], str] = _utcnow) -> None:
+                 clock: Callable[[], str] = _utcnow, resync_seconds: float = 60.0,
+                 not_ready_resync_seconds: float = 10.0) -> None:
         self.api = api
+        # A Ready DisaggServing is looked at again after resync_seconds; one that is not (an
+        # etcd that may come back, pods still starting) sooner.
+        self.resync_seconds = resync_seconds
+        self.not_ready_resync_seconds = not_ready_resync_seconds
         self.etcd = etcd
         self._written: dict[str, WrittenStatus] = {}
         self.default_image = default_image
@@ -172,8 +178,10 @@ class Reconciler:
             result = ReconcileResult(status=status, error=str(err))
             return await self._finish(owner, seen, previous, result)
 
-        desired = [with_applied_hash(m)
-                   for m in render(owner, spec, self.default_image, self.cluster_domain)]
+        # The plan is built once; everything below reads it, not the spec.
+        plan = build_plan(owner.name, owner.namespace, spec,
+                          ClusterAddressing(owner.namespace, self.cluster_domain))
+        desired = [with_applied_hash(m) for m in render(owner, plan, self.default_image)]
         result = ReconcileResult(status={})
         apply_error: str | None = None
         observed: dict[ChildKey, Manifest] = {}
@@ -205,13 +213,13 @@ class Reconciler:
         except ApiFailure as err:
             apply_error = f"the API server refused {target}: {err.message}"
 
-        plan = build_plan(owner.name, owner.namespace, spec,
-                          ClusterAddressing(owner.namespace, self.cluster_domain))
         health = await self.etcd.check(plan.etcd_endpoints)
         observation = Observation(
             generation=generation, desired=desired, observed=observed,
-            etcd_mode=spec.etcd.mode, etcd_endpoints=plan.etcd_endpoints, etcd_health=health,
-            endpoint=self._endpoint(owner, spec), apply_error=apply_error, pods=pods)
+            etcd_mode="Managed" if plan.etcd_managed else "External",
+            etcd_endpoints=plan.etcd_endpoints, etcd_health=health,
+            endpoint=self._endpoint(owner, plan), apply_error=apply_error, pods=pods,
+            roles={child_name(owner.name, c.role): c.role for c in plan.components})
         result.status = compute_status(observation, previous, self.clock())
         result.error = apply_error
         return await self._finish(owner, seen, previous, result)
@@ -224,12 +232,15 @@ class Reconciler:
             result.status_written = True
             self._written[owner.uid].wrote(seen, previous, result.status)
         result.events = transition_events(previous, result.status)
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True"
+                    for c in result.status.get("conditions") or [])
+        result.requeue_after = self.resync_seconds if ready else self.not_ready_resync_seconds
         return result
 
-    def _endpoint(self, owner: Owner, spec: DisaggServingSpec) -> str:
+    def _endpoint(self, owner: Owner, plan: Plan) -> str:
         host = ClusterAddressing(owner.namespace, self.cluster_domain).service_host(
             child_name(owner.name, PROXY))
-        return f"http://{host}:{spec.proxy.service.port}"
+        return f"http://{host}:{plan.proxy_port}"
 
 
 def _reason(status: Mapping[str, Any]) -> str:

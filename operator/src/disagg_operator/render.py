@@ -1,7 +1,8 @@
-"""Render: a DisaggServing spec into the Kubernetes objects that should exist. Pure, golden-tested.
+"""Render: a DisaggServing's plan into the Kubernetes objects that should exist. Pure,
+golden-tested; it reads the plan only (the spec was read once, by `plan.build_plan`).
 
 Every object carries the standard `app.kubernetes.io/*` labels and a controller ownerReference
-to the DisaggServing, so Kubernetes garbage-collects them with it.
+to the DisaggServing (`association`), so Kubernetes garbage-collects them with it.
 """
 
 from __future__ import annotations
@@ -9,19 +10,21 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from disagg_operator import plan as plans
-from disagg_operator.association import CONFIG, ETCD, ETCD_CLIENT, child_name
-from disagg_operator.spec import GROUP, KIND, VERSION, DisaggServingSpec, RoleSpec
+from disagg_operator.association import (
+    CONFIG,
+    ETCD,
+    ETCD_CLIENT,
+    Owner,
+    child_labels,
+    child_name,
+    selector_labels,
+)
+from disagg_operator.plan import Role
+from disagg_operator.spec import DisaggServingSpec, RoleSpec
 
-MANAGED_BY = "disagg-operator"
-PART_OF = "disagg-serving"
-LABEL_INSTANCE = "app.kubernetes.io/instance"
-LABEL_COMPONENT = "app.kubernetes.io/component"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
-ANNOTATION_COMPAT = "serving.disagg.dev/compatibility"
 # A hash of the config files a pod reads (mooncake.json): a change rolls the pods, which
 # otherwise would keep the settings they started with while the ConfigMap says otherwise.
 ANNOTATION_CONFIG_HASH = "serving.disagg.dev/config-hash"
@@ -42,51 +45,22 @@ DEFAULT_RESOURCES: dict[str, dict[str, Any]] = {
                             "limits": {"memory": "2Gi"}},
 }
 
-_APP_NAMES = {"prefill": "vllm", "decode": "vllm", "proxy": "disagg-proxy",
-              "mooncake-master": "mooncake-master", "etcd": "etcd"}
-
-
-@dataclass(frozen=True)
-class Owner:
-    name: str
-    namespace: str
-    uid: str
-
-    def reference(self) -> dict[str, Any]:
-        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "name": self.name,
-                "uid": self.uid, "controller": True, "blockOwnerDeletion": True}
-
-
-def selector_labels(owner_name: str, role: str) -> dict[str, str]:
-    """Immutable Deployment/StatefulSet selectors: never add to these."""
-    return {LABEL_INSTANCE: owner_name, LABEL_COMPONENT: role}
-
-
-def owned_labels(owner_name: str) -> dict[str, str]:
-    """The labels that find every child of one DisaggServing."""
-    return {LABEL_INSTANCE: owner_name, LABEL_MANAGED_BY: MANAGED_BY}
-
-
-def _labels(owner_name: str, role: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": _APP_NAMES.get(role, role),
-        **selector_labels(owner_name, role),
-        "app.kubernetes.io/part-of": PART_OF,
-        LABEL_MANAGED_BY: MANAGED_BY,
-    }
-
-
 def _meta(owner: Owner, name: str, role: str) -> dict[str, Any]:
-    return {"name": name, "namespace": owner.namespace, "labels": _labels(owner.name, role),
+    return {"name": name, "namespace": owner.namespace, "labels": child_labels(owner.name, role),
             "ownerReferences": [owner.reference()]}
 
 
-def render(owner: Owner, spec: DisaggServingSpec, default_image: str,
-           cluster_domain: str = "cluster.local") -> list[Manifest]:
-    """All desired children, in apply order (config and dependencies first)."""
+def render_spec(owner: Owner, spec: DisaggServingSpec, default_image: str,
+                cluster_domain: str = "cluster.local") -> list[Manifest]:
+    """`render` of the plan a spec gives in a cluster (the CLI's and the tests' shortcut)."""
     addressing = plans.ClusterAddressing(owner.namespace, cluster_domain)
-    plan = plans.build_plan(owner.name, owner.namespace, spec, addressing)
-    image = spec.image or default_image
+    return render(owner, plans.build_plan(owner.name, owner.namespace, spec, addressing),
+                  default_image)
+
+
+def render(owner: Owner, plan: plans.Plan, default_image: str) -> list[Manifest]:
+    """All desired children, in apply order (config and dependencies first)."""
+    image = plan.image or default_image
     objects: list[Manifest] = []
     if plan.config_files:
         objects.append({
@@ -95,33 +69,29 @@ def render(owner: Owner, spec: DisaggServingSpec, default_image: str,
             "data": dict(sorted(plan.config_files.items())),
         })
     for component in plan.components:
-        objects.extend(_render_component(owner, spec, plan, component, image))
+        objects.extend(_render_component(owner, plan, component, image))
     return objects
 
 
-def _render_component(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
-                      component: plans.Component, image: str) -> list[Manifest]:
-    name = child_name(owner.name, component.role)
-    if component.role == "etcd":
-        return _render_etcd(owner, spec, component)
-    pod = _pod_template(owner, spec, plan, component, image)
+def _render_component(owner: Owner, plan: plans.Plan, component: plans.Component,
+                      image: str) -> list[Manifest]:
+    role = component.role
+    name = child_name(owner.name, role)
+    if role == Role.ETCD:
+        return _render_etcd(owner, plan, component)
+    pod = _pod_template(owner, plan, component, image)
     workload = {
         "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _meta(owner, name, component.role),
+        "metadata": _meta(owner, name, role),
         "spec": {
             "replicas": component.replicas,
-            "selector": {"matchLabels": selector_labels(owner.name, component.role)},
+            "selector": {"matchLabels": selector_labels(owner.name, role)},
             "template": pod,
         },
     }
-    if component.role in ("prefill", "decode"):
-        # Instances find each other through etcd; a headless Service gives them stable DNS.
-        service = _service(owner, name, component, headless=True)
-    elif component.role == "proxy":
-        service = _service(owner, name, component, headless=False,
-                           service_type=spec.proxy.service.type)
-    else:
-        service = _service(owner, name, component, headless=False)
+    # Instances find each other through etcd; a headless Service gives them stable DNS.
+    service = _service(owner, name, component, headless=role.is_vllm,
+                       service_type=component.service_type)
     return [workload, service]
 
 
@@ -189,23 +159,21 @@ def _container(process: plans.Process, image: str, pull_policy: str,
     return container
 
 
-def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
-                  component: plans.Component, image: str) -> dict[str, Any]:
+def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
+                  image: str) -> dict[str, Any]:
     role = component.role
-    is_vllm = component.role_spec is not None
-    rdma = spec.kv_transfer.mooncake.protocol == "rdma"
-    main = _container(component.main, image, spec.image_pull_policy, _container_security(
+    role_spec = component.role_spec
+    main = _container(component.main, image, plan.image_pull_policy, _container_security(
         # vLLM and torch write compile caches under the home directory.
-        read_only=not is_vllm, add_caps=("IPC_LOCK",) if is_vllm and rdma else ()))
+        read_only=not role.is_vllm, add_caps=component.add_capabilities))
     volumes: list[dict[str, Any]] = []
     annotations: dict[str, str] = {}
+    mounts: list[dict[str, Any]] = []
     if component.main.ports:
         main["readinessProbe"] = _probe(component.main, period=5, failures=3)
         main["livenessProbe"] = _probe(component.main, period=15, failures=4)
     containers = [main]
-    if is_vllm:
-        role_spec = component.role_spec
-        assert role_spec is not None
+    if role_spec is not None:
         # Loading weights can take many minutes: the startup probe holds liveness off until then.
         main["startupProbe"] = _probe(component.main, period=10, failures=180)
         # A refused configuration (e.g. the connector's) ends in the log: the operator quotes
@@ -213,41 +181,31 @@ def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
         main["terminationMessagePolicy"] = "FallbackToLogsOnError"
         main["env"] += list(role_spec.env or [])
         main["resources"] = _vllm_resources(role_spec)
-        main["volumeMounts"] = [
-            {"name": "model-cache", "mountPath": spec.model.cache.mount_path},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-        ]
-        volumes += [_model_cache_volume(spec), {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-        if plan.config_files:
-            main["volumeMounts"].append({"name": "config", "mountPath": plans.CONFIG_DIR,
-                                         "readOnly": True})
-            volumes.append({"name": "config",
-                            "configMap": {"name": child_name(owner.name, CONFIG)}})
-            annotations[ANNOTATION_CONFIG_HASH] = config_hash(plan.config_files)
-        for sidecar in component.sidecars:
-            side = _container(sidecar, image, spec.image_pull_policy,
-                              _container_security(read_only=True))
-            side["resources"] = {"requests": {"cpu": "10m", "memory": "64Mi"},
-                                 "limits": {"memory": "128Mi"}}
-            containers.append(side)
-        compat = plans.compatibility_labels(spec)
-        annotations[ANNOTATION_COMPAT] = ",".join(f"{k}={v}" for k, v in compat.items())
-    elif role == "proxy":
-        default = DEFAULT_RESOURCES["proxy-store-routing" if component.reads_config else role]
-        main["resources"] = copy.deepcopy(spec.proxy.resources or default)
-        if component.reads_config:
-            main["volumeMounts"] = [{"name": "config", "mountPath": plans.CONFIG_DIR,
-                                     "readOnly": True}]
-            volumes.append({"name": "config",
-                            "configMap": {"name": child_name(owner.name, CONFIG)}})
-            annotations[ANNOTATION_CONFIG_HASH] = config_hash(plan.config_files)
-        if component.cache_dir:
-            main.setdefault("volumeMounts", []).append({"name": "cache",
-                                                        "mountPath": component.cache_dir})
-            volumes.append({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}})
-    elif role == "mooncake-master":
-        main["resources"] = copy.deepcopy(spec.mooncake_master.resources
-                                          or DEFAULT_RESOURCES[role])
+    else:
+        main["resources"] = copy.deepcopy(dict(component.resources or {})
+                                          or _default_resources(component))
+    if component.model_cache is not None:
+        mounts += [{"name": "model-cache", "mountPath": component.model_cache.mount_path},
+                   {"name": "dshm", "mountPath": "/dev/shm"}]
+        volumes += [_model_cache_volume(component.model_cache),
+                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    if component.reads_config and plan.config_files:
+        mounts.append({"name": "config", "mountPath": plans.CONFIG_DIR, "readOnly": True})
+        volumes.append({"name": "config",
+                        "configMap": {"name": child_name(owner.name, CONFIG)}})
+        annotations[ANNOTATION_CONFIG_HASH] = config_hash(plan.config_files)
+    if component.cache_dir:
+        mounts.append({"name": "cache", "mountPath": component.cache_dir})
+        volumes.append({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}})
+    if mounts:
+        main["volumeMounts"] = mounts
+    for sidecar in component.sidecars:
+        side = _container(sidecar, image, plan.image_pull_policy,
+                          _container_security(read_only=True))
+        side["resources"] = {"requests": {"cpu": "10m", "memory": "64Mi"},
+                             "limits": {"memory": "128Mi"}}
+        containers.append(side)
+    annotations.update(component.annotations)
 
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
@@ -259,19 +217,23 @@ def _pod_template(owner: Owner, spec: DisaggServingSpec, plan: plans.Plan,
     }
     if volumes:
         pod_spec["volumes"] = volumes
-    if spec.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [{"name": s.name} for s in spec.image_pull_secrets]
-    if is_vllm:
-        role_spec = component.role_spec
-        assert role_spec is not None
+    if plan.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in plan.image_pull_secrets]
+    if role_spec is not None:
         _place(pod_spec, role_spec)
-    template: dict[str, Any] = {"metadata": {"labels": _labels(owner.name, role)},
+    template: dict[str, Any] = {"metadata": {"labels": child_labels(owner.name, role)},
                                 "spec": pod_spec}
     if annotations:
         template["metadata"]["annotations"] = annotations
-    if is_vllm and component.role_spec and component.role_spec.pod_template:
-        template = merge_pod_template(template, component.role_spec.pod_template)
+    if role_spec is not None and role_spec.pod_template:
+        template = merge_pod_template(template, role_spec.pod_template)
     return template
+
+
+def _default_resources(component: plans.Component) -> dict[str, Any]:
+    if component.role == Role.PROXY and component.reads_config:
+        return DEFAULT_RESOURCES["proxy-store-routing"]
+    return DEFAULT_RESOURCES[component.role]
 
 
 def config_hash(files: dict[str, str]) -> str:
@@ -286,8 +248,7 @@ def _vllm_resources(role_spec: RoleSpec) -> dict[str, Any]:
     return {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}}
 
 
-def _model_cache_volume(spec: DisaggServingSpec) -> dict[str, Any]:
-    cache = spec.model.cache
+def _model_cache_volume(cache: plans.ModelCache) -> dict[str, Any]:
     if cache.pvc_claim_name:
         return {"name": "model-cache",
                 "persistentVolumeClaim": {"claimName": cache.pvc_claim_name}}
@@ -306,16 +267,17 @@ def _place(pod_spec: dict[str, Any], role_spec: RoleSpec) -> None:
         pod_spec["affinity"] = copy.deepcopy(role_spec.affinity)
 
 
-def _render_etcd(owner: Owner, spec: DisaggServingSpec,
+def _render_etcd(owner: Owner, plan: plans.Plan,
                  component: plans.Component) -> list[Manifest]:
     name = child_name(owner.name, ETCD)
-    etcd = spec.etcd
-    main = _container(component.main, etcd.image, spec.image_pull_policy,
+    assert component.image is not None, "etcd runs its own image"
+    main = _container(component.main, component.image, plan.image_pull_policy,
                       _container_security(read_only=True))
     main["volumeMounts"] = [{"name": "data", "mountPath": "/var/lib/etcd"}]
     main["readinessProbe"] = _probe(component.main, period=5, failures=3)
     main["livenessProbe"] = _probe(component.main, period=15, failures=4)
-    main["resources"] = copy.deepcopy(etcd.resources or DEFAULT_RESOURCES["etcd"])
+    main["resources"] = copy.deepcopy(dict(component.resources or {})
+                                      or DEFAULT_RESOURCES[Role.ETCD])
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -326,19 +288,20 @@ def _render_etcd(owner: Owner, spec: DisaggServingSpec,
     sts_spec: dict[str, Any] = {
         "replicas": component.replicas,
         "serviceName": name,
-        "selector": {"matchLabels": selector_labels(owner.name, "etcd")},
-        "template": {"metadata": {"labels": _labels(owner.name, "etcd")}, "spec": pod_spec},
+        "selector": {"matchLabels": selector_labels(owner.name, Role.ETCD)},
+        "template": {"metadata": {"labels": child_labels(owner.name, Role.ETCD)},
+                     "spec": pod_spec},
     }
-    if etcd.storage_size is not None:
+    if component.storage_size is not None:
         sts_spec["volumeClaimTemplates"] = [{
             "metadata": {"name": "data"},
             "spec": {"accessModes": ["ReadWriteOnce"],
-                     "resources": {"requests": {"storage": etcd.storage_size}}},
+                     "resources": {"requests": {"storage": component.storage_size}}},
         }]
     else:
         pod_spec["volumes"] = [{"name": "data", "emptyDir": {}}]
     statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet",
-                   "metadata": _meta(owner, name, "etcd"), "spec": sts_spec}
+                   "metadata": _meta(owner, name, Role.ETCD), "spec": sts_spec}
     peers = _service(owner, name, component, headless=True)
     peers["spec"]["publishNotReadyAddresses"] = True  # members must find each other to start
     client = _service(owner, child_name(owner.name, ETCD_CLIENT), component, headless=False)

@@ -18,9 +18,7 @@ from pydantic.alias_generators import to_camel
 from disagg_operator import association
 from disagg_operator.quantity import parse_quantity
 
-GROUP = "serving.disagg.dev"
-VERSION = "v1alpha1"
-KIND = "DisaggServing"
+GROUP, VERSION, KIND = association.GROUP, association.VERSION, association.KIND
 PLURAL = "disaggservings"
 SINGULAR = "disaggserving"
 SHORT_NAMES = ["dsv"]

@@ -6,10 +6,12 @@ Conditions follow the Kubernetes API conventions: `type`, `status`, `reason`, `m
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from disagg_operator.etcd_health import EtcdHealth
+from disagg_operator.plan import Role
 from disagg_operator.render import Manifest
 
 READY = "Ready"
@@ -17,7 +19,7 @@ PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
 # The roles a client request needs; each must have at least one ready instance.
-SERVING_ROLES = ("prefill", "decode", "proxy")
+SERVING_ROLES = (Role.PREFILL, Role.DECODE, Role.PROXY)
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Observation:
     etcd_endpoints: tuple[str, ...]
     etcd_health: EtcdHealth | None
     endpoint: str
+    roles: Mapping[str, str]  # workload name -> the plan's role for it
     apply_error: str | None = None
     pods: list[Manifest] = field(default_factory=list)  # the serving pods, as listed
 
@@ -83,8 +86,7 @@ def pod_failures(pods: list[Manifest]) -> list[str]:
     return found[:MESSAGE_PODS]
 
 
-def workload_state(desired: Manifest, live: Manifest | None) -> WorkloadState:
-    role = desired["metadata"]["labels"]["app.kubernetes.io/component"]
+def workload_state(role: str, desired: Manifest, live: Manifest | None) -> WorkloadState:
     replicas = int(desired["spec"].get("replicas", 1))
     if live is None:
         return WorkloadState(role, replicas, 0, 0, rolled_out=False, failure=None)
@@ -108,7 +110,8 @@ def workload_state(desired: Manifest, live: Manifest | None) -> WorkloadState:
 
 def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict[str, Any]:
     """The full status to store; `previous` supplies lastTransitionTime continuity."""
-    workloads = [workload_state(d, obs.observed.get((d["kind"], d["metadata"]["name"])))
+    workloads = [workload_state(obs.roles[d["metadata"]["name"]], d,
+                                obs.observed.get((d["kind"], d["metadata"]["name"])))
                  for d in obs.desired if d["kind"] in WORKLOAD_KINDS]
     by_role = {w.role: w for w in workloads}
     status: dict[str, Any] = {"observedGeneration": obs.generation}
