@@ -5,6 +5,7 @@ measured in this run, on the same replay:
 
 - `kvhelper`: the kvhelper connector with store lookups and the proxy's store-aware routing
   (with `--prefills 1 2`, one and two prefill instances);
+- `kvhelper-save`: the same with decode saving (kvTransfer.saveDecodeCache), one prefill;
 - `reuse-off`: the same stack as before this feature: no store lookups, no store routing;
 - `vllm-builtin`: vLLM's built-in MooncakeStoreConnector (kvTransfer.implementation: vllm)
   through the same proxy;
@@ -34,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -195,6 +197,7 @@ class Row:
     all_share: float  # every instance, decode's own recomputed tail included
     outcome: Outcome
     routes: dict[str, float]
+    store: tuple[float, float] = (0.0, 0.0)  # keys and bytes the store held at the end
 
 
 def route_counts(text: str) -> dict[str, float]:
@@ -227,6 +230,8 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         spec_doc.setdefault("proxy", {})["storeRouting"] = False
     elif stack == "vllm-builtin":
         transfer["implementation"] = "vllm"
+    elif stack == "kvhelper-save":
+        transfer["saveDecodeCache"] = True
     folder = RunFolder(folder_root / f"{stack}-{prefills}p")
     spec = with_tiny_model(parse_spec(spec_doc), folder, sys.executable)
     served = spec.model.served_model_name or spec.model.name
@@ -244,6 +249,7 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         time.sleep(12)
         after = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens))
         routes = route_counts(scrape_text(url))
+        store = store_usage(deployment, doc["metadata"]["name"])
         skipped_tail = 0.0
         if routes.get("skip_prefill"):
             # Requests that skipped prefill computed their tail on decode: prefill work.
@@ -252,7 +258,22 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         stop_recorded(folder, lambda _: None)
     total = work.prompt_tokens
     return Row(f"{stack} {prefills}P2D", (after[0] - before[0] + skipped_tail) / total,
-               (after[1] - before[1]) / total, outcome, routes)
+               (after[1] - before[1]) / total, outcome, routes, store)
+
+
+def store_usage(deployment: Any, name: str) -> tuple[float, float]:
+    """Keys and bytes the Mooncake master says the store holds."""
+    import re
+
+    master = deployment.find(f"{name}-mooncake-master-0")
+    port = re.search(r"--metrics_port=(\d+)", " ".join(master.spec.argv))
+    if port is None:
+        return (0.0, 0.0)
+    text = scrape_text(f"http://127.0.0.1:{port.group(1)}")
+    return (sum(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("master_key_count ")),
+            sum(float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("master_allocated_bytes ")))
 
 
 def scrape_text(url: str) -> str:
@@ -299,14 +320,16 @@ def report(kind: str, work: Replay, rows: list[Row]) -> str:
     lines = [f"tiny {kind.upper()} model: {len(work.prompts)} requests, "
              f"{work.prompt_tokens} prompt tokens; ideal computed share {ideal:.3f}",
              f"{'stack':<22}{'computed':>9}{'vs ideal':>9}{'all inst':>9}"
-             f"{'TTFT p50':>10}{'p90':>8}{'e2e p50':>9}{'failed':>7}  routes"]
+             f"{'TTFT p50':>10}{'p90':>8}{'e2e p50':>9}{'failed':>7}{'keys':>7}"
+             f"{'MiB':>7}  routes"]
     for row in rows:
         out = row.outcome
         lines.append(
             f"{row.stack:<22}{row.computed_share:>9.3f}{row.computed_share - ideal:>+9.3f}"
             f"{row.all_share:>9.3f}{statistics.median(out.ttft or [0]) * 1000:>8.0f}ms"
             f"{percentile(out.ttft, 0.9) * 1000:>6.0f}ms"
-            f"{statistics.median(out.e2e or [0]) * 1000:>7.0f}ms{out.failed:>7}  "
+            f"{statistics.median(out.e2e or [0]) * 1000:>7.0f}ms{out.failed:>7}"
+            f"{row.store[0]:>7.0f}{row.store[1] / 2**20:>7.1f}  "
             + " ".join(f"{k}={v:.0f}" for k, v in sorted(row.routes.items())))
     return "\n".join(lines)
 
@@ -324,7 +347,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--prefills", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--stacks", nargs="+",
-                        default=["kvhelper", "reuse-off", "vllm-builtin", "monolithic"])
+                        default=["kvhelper", "kvhelper-save", "reuse-off", "vllm-builtin",
+                                 "monolithic"])
     args = parser.parse_args()
     if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
         os.environ["DISAGG_BENCH_NETNS"] = "1"
