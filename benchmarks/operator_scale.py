@@ -22,10 +22,11 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
-from disagg_operator.etcd_process import EtcdProcess, free_port
-from disagg_operator.sandbox import Sandbox, sandbox
+from disagg_devtools.emulator.sandbox import Sandbox, sandbox
+from disagg_devtools.etcd_process import EtcdProcess
+from disagg_devtools.processes import free_port, stop_process
+from disagg_devtools.waiting import wait_for
 from disagg_operator.spec import GROUP, PLURAL, VERSION
-from disagg_operator.waiting import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 NAMESPACE = "bench"
@@ -193,11 +194,7 @@ async def run(box: Sandbox, etcd: EtcdProcess, count: int, deadline: float,
               "met" if ok else "NOT met")
         return 0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc, grace=15)
         log.close()
 
 

@@ -31,15 +31,10 @@ from dataclasses import dataclass, field
 from typing import IO
 
 import aiohttp
+from disagg_devtools.processes import free_port
 
 SCENARIOS = ("kill", "freeze")
 ROUTINGS = ("round-robin", "least-outstanding")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def serve_backend(port: int, tokens: int, token_delay: float) -> None:

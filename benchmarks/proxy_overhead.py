@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from collections.abc import Iterator
 import aiohttp
 import msgspec
 from aiohttp import web
+from disagg_devtools.processes import free_port, stop_process
 
 PREFILL_ANSWER = {"choices": [{"index": 0, "text": "x"}],
                   "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "b",
@@ -42,12 +42,6 @@ DECODE_ANSWER = {"choices": [{"index": 0, "text": "hello world"}]}
 # that the extra backend call the proxy makes costs what a network hop costs, not JSON work.
 PREFILL_BYTES = msgspec.json.encode(PREFILL_ANSWER)
 DECODE_BYTES = msgspec.json.encode(DECODE_ANSWER)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def serve_backend(port: int) -> None:
@@ -231,8 +225,7 @@ async def main(requests: int, concurrency: int) -> None:
               f"(target >= 2000/s); {system / proxy_cpu:.0%} of it in the kernel")
     finally:
         for proc in (proxy, backend):
-            proc.terminate()
-            proc.wait(10)
+            stop_process(proc)
 
 
 if __name__ == "__main__":

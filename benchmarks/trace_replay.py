@@ -216,10 +216,10 @@ def route_counts(text: str) -> dict[str, float]:
 def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: Path,
               max_tokens: int) -> Row:
     import yaml
-    from disagg_operator.local.cli import with_tiny_model
-    from disagg_operator.local.runner import LocalDeployment, RunFolder, stop_recorded
+    from disagg_devtools.local.cli import with_tiny_model
+    from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
+    from disagg_devtools.processes import free_port
     from disagg_operator.spec import parse_spec
-    from kvhelper.master_process import free_port
 
     doc = yaml.safe_load((ROOT / "examples" / f"tiny-{kind}-1p2d.yaml").read_text())
     spec_doc = doc["spec"]
@@ -290,8 +290,8 @@ def scrape_proxy(url: str, name: str) -> float:
 
 def run_monolithic(kind: str, work: Replay, folder_root: Path, max_tokens: int) -> Row:
     import yaml
-    from disagg_operator.local.cli import with_tiny_model
-    from disagg_operator.local.runner import RunFolder
+    from disagg_devtools.local.cli import with_tiny_model
+    from disagg_devtools.local.runner import RunFolder
     from disagg_operator.spec import parse_spec
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -357,7 +357,7 @@ def main() -> None:
     requests = sample(args.trace, args.modulo, args.max_blocks, args.limit)
     with tempfile.TemporaryDirectory(prefix="bench-replay-") as scratch:
         root = Path(scratch)
-        from kvhelper.tiny_models import VOCAB
+        from disagg_devtools.tiny_models import VOCAB
 
         work = map_to_tokens(requests, args.block_tokens, VOCAB, args.speedup)
         rows = []

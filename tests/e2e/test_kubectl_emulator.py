@@ -9,8 +9,8 @@ from pathlib import Path
 
 import kmock
 import pytest
+from disagg_devtools.emulator.server import ClusterEmulator
 from disagg_operator.crd import build_crd
-from disagg_operator.emulator import ClusterEmulator
 from disagg_operator.status import Observation, compute_status
 
 ROOT = Path(__file__).resolve().parents[2]

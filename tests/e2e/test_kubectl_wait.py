@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from disagg_operator.etcd_process import EtcdProcess
+from disagg_devtools.emulator.sandbox import Sandbox, sandbox
+from disagg_devtools.etcd_process import EtcdProcess
 from disagg_operator.handlers import OperatorConfig
 from disagg_operator.plan import ClusterAddressing
-from disagg_operator.sandbox import Sandbox, sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")

@@ -10,12 +10,12 @@ from typing import Any
 import kmock
 import pytest
 import yaml
-from disagg_operator.etcd_process import EtcdProcess
+from disagg_devtools.emulator.sandbox import Sandbox, sandbox
+from disagg_devtools.etcd_process import EtcdProcess
+from disagg_devtools.waiting import wait_for
 from disagg_operator.handlers import OperatorConfig
 from disagg_operator.plan import ClusterAddressing
-from disagg_operator.sandbox import Sandbox, sandbox
 from disagg_operator.spec import GROUP, PLURAL, VERSION
-from disagg_operator.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "default"

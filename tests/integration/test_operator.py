@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from disagg_operator.etcd_process import EtcdProcess
+from disagg_devtools.emulator.sandbox import Sandbox
+from disagg_devtools.etcd_process import EtcdProcess
 from disagg_operator.handlers import OperatorConfig
-from disagg_operator.sandbox import Sandbox
 from disagg_operator.spec import GROUP, MAX_NAME_LENGTH, PLURAL, VERSION
 from prometheus_client import REGISTRY
 
@@ -229,7 +229,7 @@ async def test_an_operator_watching_one_namespace_reconciles_it(
         tmp_path, config: OperatorConfig) -> None:
     """`disagg-operator run --namespace default`: kopf lists Namespaces in that mode, which
     the emulator answered with a 500, so nothing was ever reconciled."""
-    from disagg_operator.sandbox import sandbox
+    from disagg_devtools.emulator.sandbox import sandbox
 
     from .conftest import Api
 

@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 import torch
 from aiohttp import web
+from disagg_devtools.master_process import MooncakeMaster
+from disagg_devtools.processes import free_port
 from kvhelper.discovery import StaticDiscovery
 from kvhelper.layout import ModelKVSpec
-from kvhelper.master_process import MooncakeMaster
 from kvhelper.proxy.app import Proxy, ProxyConfig
 from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
-from .fake_vllm import FakeVLLM, free_port
+from .fake_vllm import FakeVLLM
 
 StartProxy = Callable[..., Awaitable[str]]
 
@@ -51,7 +52,7 @@ def shared_caches(shape: tuple[int, ...], layers: int, dtype: torch.dtype = torc
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The project's tiny GQA and MLA models, generated once per test session."""
-    from kvhelper.tiny_models import make_gqa, make_mla
+    from disagg_devtools.tiny_models import make_gqa, make_mla
 
     root = tmp_path_factory.mktemp("models")
     return {"gqa": make_gqa(root / "gqa"), "mla": make_mla(root / "mla")}

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 import torch
-from kvhelper.master_process import MooncakeMaster
+from disagg_devtools.master_process import MooncakeMaster
+from disagg_devtools.processes import stop_process
 from kvhelper.store import MooncakeConfig, MooncakeKVStore
 
 from .conftest import in_private_network
@@ -45,14 +46,12 @@ class StoreService:
 
     def restart_master(self) -> None:
         """Everything the master knew is gone; the holder mounts a fresh segment."""
-        self.holder.terminate()
-        self.holder.wait(10)
+        stop_process(self.holder)
         self.master.restart()
         self.holder = self._start_holder()
 
     def stop(self) -> None:
-        self.holder.terminate()
-        self.holder.wait(10)
+        stop_process(self.holder)
         self.master.stop()
 
 

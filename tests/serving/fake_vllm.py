@@ -6,17 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from disagg_devtools.processes import free_port
 
 
 @dataclass

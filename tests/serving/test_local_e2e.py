@@ -19,10 +19,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from disagg_operator.local.cli import load
-from disagg_operator.local.metrics import metric_total
-from disagg_operator.local.runner import LocalDeployment, RunFolder, stop_recorded
-from kvhelper.master_process import free_port
+from disagg_devtools.local.cli import load
+from disagg_devtools.local.metrics import metric_total
+from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
+from disagg_devtools.processes import free_port
 
 from .conftest import in_private_network
 from .engines import run_engine
@@ -365,7 +365,7 @@ def test_a_small_trace_replay_computes_what_the_store_cannot_serve(served) -> No
     deployment computes (prefill's, and decode's tail of requests that skipped prefill) are
     within 5 points of the ideal of a cluster-wide prefix cache."""
     bench = _load_benchmark("trace_replay")
-    from kvhelper.tiny_models import VOCAB
+    from disagg_devtools.tiny_models import VOCAB
 
     work = bench.map_to_tokens(bench.sample(bench.TRACE, 200, 24, 30), 32, VOCAB, 120.0)
     prefills = [f"http://127.0.0.1:{item.spec.port}" for item in served.deployment.started

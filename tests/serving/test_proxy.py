@@ -8,11 +8,10 @@ from typing import Any
 
 import aiohttp
 import pytest
-from disagg_operator.waiting import wait_for
+from disagg_devtools.processes import free_port
+from disagg_devtools.waiting import wait_for
 from kvhelper.instances import Instance
 from kvhelper.proxy.pool import Pool
-
-from .fake_vllm import free_port
 
 
 async def post(url: str, body: Any, headers: dict[str, str] | None = None,

@@ -13,11 +13,11 @@ from typing import Any
 
 import aetcd
 import pytest
-from disagg_operator.etcd_process import EtcdProcess
-from disagg_operator.waiting import wait_for
+from disagg_devtools.etcd_process import EtcdProcess
+from disagg_devtools.processes import free_port
+from disagg_devtools.waiting import wait_for
 from kvhelper.discovery import EtcdDiscovery
 from kvhelper.instances import Instance
-from kvhelper.master_process import free_port
 from kvhelper.registry import Registrar, RegistrarConfig
 
 from .fake_vllm import FakeVLLM

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from disagg_operator.etcd_process import free_port
+from disagg_devtools.processes import free_port
 from kvhelper.store import ConfigError, MooncakeConfig, MooncakeKVStore, StoreError
 
 from .conftest import in_private_network

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from disagg_operator.sandbox import Sandbox, sandbox
+from disagg_devtools.emulator.sandbox import Sandbox, sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "disagg-operator"

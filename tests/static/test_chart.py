@@ -11,8 +11,8 @@ from typing import Any
 
 import disagg_operator
 import yaml
+from disagg_devtools.emulator.sandbox import Sandbox
 from disagg_operator.crd import render_crd_yaml
-from disagg_operator.sandbox import Sandbox
 
 from .conftest import CHART, ROOT, helm_install, run, stored
 

@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from disagg_devtools.emulator.cli import main as emulator_main
+from disagg_devtools.local.cli import local
 from disagg_operator.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("command", ["up", "demo"])
 def test_local_from_an_environment_without_vllm_says_which_to_use(command: str,
                                                                    tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["local", command, str(ROOT / "examples/tiny-gqa-1p2d.yaml"),
+    result = CliRunner().invoke(local, [command, str(ROOT / "examples/tiny-gqa-1p2d.yaml"),
                                        "--run-dir", str(tmp_path), "--python", sys.executable])
     assert result.exit_code == 1, result.output  # a message, not a traceback
-    assert "lacks vllm" in result.output and ".venv-serving/bin/disagg-operator" in result.output
+    assert "lacks vllm" in result.output and ".venv-serving/bin/disagg-local" in result.output
     assert "Traceback" not in result.output
     assert not any(tmp_path.iterdir())  # nothing was started or generated
 
@@ -34,3 +36,22 @@ def test_run_takes_etcd_addresses_for_an_operator_outside_the_cluster(monkeypatc
     assert seen["memo"].config.etcd_address_overrides == {endpoint: "127.0.0.1:2379"}
     result = CliRunner().invoke(main, ["run", "--etcd-address", "nonsense"])
     assert result.exit_code == 2 and "ENDPOINT=HOST:PORT" in result.output
+
+
+@pytest.mark.parametrize("missing", ["kopf", "kmock"])
+def test_commands_without_their_extra_name_the_extra(missing: str, monkeypatch) -> None:
+    """The serving environment has the operator's core and the local runner, not the
+    controller or the emulator: their commands say what to install instead of a traceback."""
+    for name in list(sys.modules):
+        if name == missing or name.startswith((f"{missing}.", "disagg_operator.handlers",
+                                               "disagg_devtools.emulator.")):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, missing, None)  # import fails as if not installed
+    if missing == "kopf":
+        result = CliRunner().invoke(main, ["run"])
+        expected = "disagg-operator[controller]"
+    else:
+        result = CliRunner().invoke(emulator_main, ["demo"])
+        expected = "disagg-devtools[emulator]"
+    assert result.exit_code == 1 and expected in result.output, result.output
+    assert "Traceback" not in result.output

@@ -6,8 +6,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from disagg_devtools.emulator.server import apply_schema_defaults, plain_schema
 from disagg_operator.crd import build_crd
-from disagg_operator.emulator import apply_schema_defaults, plain_schema
 from disagg_operator.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[2]

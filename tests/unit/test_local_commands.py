@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from disagg_operator.local.commands import (
+from disagg_devtools.local.commands import (
     LocalAddressing,
     LocalPlanError,
     LocalProcess,

@@ -14,8 +14,6 @@ from disagg_operator.render import render_spec
 from disagg_operator.spec import InvalidSpecError, parse_spec
 
 DEFAULT_SERVING_IMAGE = "disagg-operator/serving:0.1.0"
-# The seed deployment, from the source tree (the demo's default when no file is given).
-SEED_EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "deepseek-v2-lite-1p2d.yaml"
 
 
 @click.group()
@@ -79,9 +77,14 @@ def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: flo
                                      "x-etcd-client.ns.svc.cluster.local:2379=127.0.0.1:2379",
                                      param_hint="--etcd-address")
         overrides[endpoint] = address
-    import kopf
+    try:
+        import kopf
 
-    from disagg_operator.handlers import OperatorConfig, registry
+        from disagg_operator.handlers import OperatorConfig, registry
+    except ImportError as err:
+        raise click.ClickException(
+            f"the controller needs {err.name}: pip install 'disagg-operator[controller]' "
+            "(the operator image has it)") from None
 
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat[log_format.upper()])
     config = OperatorConfig(default_image=default_image, resync_seconds=resync_seconds,
@@ -91,37 +94,6 @@ def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: flo
              namespaces=list(namespaces), memo=kopf.Memo(config=config),
              liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)
 
-
-@main.command("demo")
-@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-                required=False)
-@click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where the kubeconfig, etcd data and logs go (default: a temporary folder).")
-@click.option("--timeout", default=60.0, show_default=True, help="Seconds to wait for Ready.")
-def demo_cmd(path: Path | None, workdir: Path | None, timeout: float) -> None:
-    """Run the operator against the embedded API emulator (no cluster needed): apply PATH with
-    kubectl, wait for Ready, and print what was created and the status."""
-    import asyncio
-    import tempfile
-
-    from disagg_operator.demo import run_demo
-
-    if path is None:
-        path = SEED_EXAMPLE
-        if not path.exists():
-            raise click.UsageError("give the path of a DisaggServing YAML file")
-    with tempfile.TemporaryDirectory(prefix="disagg-demo-") as scratch:
-        code = asyncio.run(run_demo(path, workdir or Path(scratch), timeout, click.echo))
-    sys.exit(code)
-
-
-def _add_local() -> None:
-    from disagg_operator.local.cli import local
-
-    main.add_command(local)
-
-
-_add_local()
 
 if __name__ == "__main__":
     main()

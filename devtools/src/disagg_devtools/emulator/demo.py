@@ -1,4 +1,4 @@
-"""`disagg-operator demo`: the operator against the embedded API emulator, driven by kubectl.
+"""`disagg-emulator demo`: the operator against the embedded API emulator, driven by kubectl.
 
 Real: the operator (kopf, server-side apply), kubectl, and etcd (its health drives Ready).
 Emulated: kube-apiserver (no pods run; workloads report ready as soon as they are applied).
@@ -17,13 +17,13 @@ from typing import Any
 
 import aiohttp
 import yaml
-
-from disagg_operator.etcd_process import EtcdProcess
 from disagg_operator.handlers import OperatorConfig
 from disagg_operator.plan import ClusterAddressing
-from disagg_operator.sandbox import Sandbox, sandbox
 from disagg_operator.spec import GROUP, PLURAL, VERSION
-from disagg_operator.waiting import wait_for
+
+from disagg_devtools.emulator.sandbox import Sandbox, sandbox
+from disagg_devtools.etcd_process import EtcdProcess
+from disagg_devtools.waiting import wait_for
 
 Echo = Callable[[str], None]
 SERVING_IMAGE = "disagg-operator/serving:0.1.0"

@@ -24,8 +24,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from disagg_operator.etcd_process import EtcdProcess, free_port
-from disagg_operator.local.commands import (
+from disagg_operator.plan import build_plan
+from disagg_operator.spec import DisaggServingSpec
+
+from disagg_devtools import processes
+from disagg_devtools.etcd_process import EtcdProcess
+from disagg_devtools.local.commands import (
     LOOPBACK,
     LocalAddressing,
     LocalProcess,
@@ -33,8 +37,7 @@ from disagg_operator.local.commands import (
     assign_ports,
     local_processes,
 )
-from disagg_operator.plan import build_plan
-from disagg_operator.spec import DisaggServingSpec
+from disagg_devtools.processes import free_port
 
 Echo = Callable[[str], None]
 STATE_FILE = "state.json"
@@ -293,11 +296,7 @@ def ensure_free(port: int, what: str) -> None:
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except FileNotFoundError:
-        return "(no log)"
-    return "\n".join("    " + line for line in text.splitlines()[-lines:])
+    return processes.log_tail(path, lines, indent="    ")
 
 
 def _record(folder: RunFolder, state: dict[str, object], name: str, pid: int,

@@ -16,11 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from disagg_devtools.processes import free_port, log_tail, stop_process
 
 
 def master_binary() -> str:
@@ -66,14 +62,7 @@ class MooncakeMaster:
         return self
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        stop_process(self.process)
 
     def restart(self, timeout: float = 15.0) -> MooncakeMaster:
         """Stop, wait until the port is free again, start on the same port."""
@@ -86,10 +75,7 @@ class MooncakeMaster:
         return self.start(timeout)
 
     def log_tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except FileNotFoundError:
-            return "(no log)"
+        return log_tail(self.log_path, lines)
 
     def _accepting(self) -> bool:
         try:

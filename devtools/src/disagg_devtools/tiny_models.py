@@ -4,7 +4,7 @@ They load in vLLM's CPU build in seconds and exercise the same KV layouts as the
 relatives (GQA: 2 KV heads of 64; MLA: a 576-wide latent). Greedy output is meaningless text
 but deterministic, which is what equality tests need.
 
-    python -m kvhelper.tiny_models {gqa,mla} OUT_DIR
+    python -m disagg_devtools.tiny_models {gqa,mla} OUT_DIR
 """
 
 from __future__ import annotations

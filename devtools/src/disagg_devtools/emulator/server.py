@@ -27,10 +27,9 @@ import jsonpointer
 import jsonschema
 import kmock
 from jsonpath_ng.ext import parse as jsonpath_parse  # type: ignore[attr-defined]
-from kmock._internal import enums, rendering
 from typing_extensions import override
 
-from disagg_operator import kmock_adapter  # noqa: F401  (applies its fixes)
+from disagg_devtools.emulator.kmock_adapter import KmockEmulator, raw_request
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 NAMESPACES = kmock.resource("", "v1", "namespaces")
@@ -144,7 +143,7 @@ def _scale_of(workload: dict[str, Any]) -> dict[str, Any]:
                        "selector": ",".join(f"{k}={v}" for k, v in sorted(selector.items()))}}
 
 
-def _rewrite(request: rendering.Request, **changes: Any) -> rendering.Request:
+def _rewrite(request: kmock.Request, **changes: Any) -> kmock.Request:
     """Change a parsed request in place: kmock tracks requests by identity, so no copies."""
     for name, value in changes.items():
         object.__setattr__(request, name, value)
@@ -179,7 +178,7 @@ def plain_schema(schema: Any) -> Any:
 
 
 @attrs.define(kw_only=True)
-class ClusterEmulator(kmock.KubernetesEmulator):
+class ClusterEmulator(KmockEmulator):
     """The emulated API server. `readiness` decides how workloads report ready replicas."""
 
     readiness: Readiness = "instant"
@@ -239,7 +238,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     # -- request handling -------------------------------------------------------------------
 
     @override
-    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         self.request_log.append(RequestRecord(
             request.method.value if request.method else "", request.url.path,
             request.action.value if request.action else None,
@@ -253,26 +252,26 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             self._in_flight.discard(id(request))
 
     def _trim_history(self) -> None:
-        if len(self._requests) <= 4 * KMOCK_HISTORY + 16:
+        if len(self.request_history) <= 4 * KMOCK_HISTORY + 16:
             return
-        keep_from = len(self._requests) - KMOCK_HISTORY
-        self._requests[:] = [r for index, r in enumerate(self._requests)
+        keep_from = len(self.request_history) - KMOCK_HISTORY
+        self.request_history[:] = [r for index, r in enumerate(self.request_history)
                              if index >= keep_from or id(r) in self._in_flight]
 
-    async def _route(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _route(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
-            return await super()._handle(request)
+            return await self.serve_default(request)
         if request.subresource == "scale" and request.resource.plural in WORKLOAD_PLURALS:
             return await self._serve_scale(request)
-        if request.action == enums.action.WATCH:
+        if request.action == kmock.action.WATCH:
             return await self._stream_watch(request)
-        if request.action in (enums.action.LIST, enums.action.FETCH) and self._wants_table(
+        if request.action in (kmock.action.LIST, kmock.action.FETCH) and self._wants_table(
                 request) and request.resource in self.printer_columns:
             return await self._serve_table(request)
-        if request.action == enums.action.LIST:
+        if request.action == kmock.action.LIST:
             return await self._serve_filtered_list(request)
-        is_write = request.action in (enums.action.CREATE, enums.action.UPDATE,
-                                      enums.action.DELETE)
+        is_write = request.action in (kmock.action.CREATE, kmock.action.UPDATE,
+                                      kmock.action.DELETE)
         if is_write and request.params.get("dryRun") == "All":
             # Validate and admit as for real, store nothing.
             prepared = self._prepare_write(request)
@@ -280,14 +279,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                 prepared.data, dict) else self._stored(
                     (request.resource, request.namespace, request.name)) or {})
         request = self._prepare_write(request)
-        response = await super()._handle(request)
-        if request.action in (enums.action.CREATE, enums.action.UPDATE):
+        response = await self.serve_default(request)
+        if request.action in (kmock.action.CREATE, kmock.action.UPDATE):
             await self._after_write(request)
-        if request.action in (enums.action.DELETE, enums.action.UPDATE):
+        if request.action in (kmock.action.DELETE, kmock.action.UPDATE):
             # A delete, or a patch that removed the last finalizer, may orphan children.
             await self._collect_garbage()
         assert request.resource is not None
-        if request.action == enums.action.CREATE and request.resource.plural == \
+        if request.action == kmock.action.CREATE and request.resource.plural == \
                 "customresourcedefinitions" and request.data:
             self.register_crd(request.data)
             # As the API server does once the new resource is served.
@@ -300,10 +299,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                      "the initial names have been accepted"))]}})
         return response
 
-    def _prepare_write(self, request: rendering.Request) -> rendering.Request:
+    def _prepare_write(self, request: kmock.Request) -> kmock.Request:
         res = request.resource
         assert res is not None
-        if request.method == enums.method.PATCH and isinstance(request.data, list):
+        if request.method == kmock.method.PATCH and isinstance(request.data, list):
             # A JSON patch (kubectl patch --type=json, kopf's finalizers): applied here, so
             # that it is validated and bumps the generation like any other write.
             current = self._stored((res, request.namespace, request.name))
@@ -325,7 +324,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             return self._admit_change(request, res, current, after)
         data = request.data if isinstance(request.data, dict) else None
         is_apply = request.headers.get("Content-Type", "").startswith(APPLY_CONTENT_TYPE)
-        if request.method == enums.method.PATCH and data is not None:
+        if request.method == kmock.method.PATCH and data is not None:
             key = (res, request.namespace, request.name)
             current = self._stored(key)
             if is_apply and current is None:
@@ -349,12 +348,12 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     patch.pop("status", None)
                 after = _deep_merge(current, patch)
             return self._admit_change(request, res, current, after)
-        if request.action == enums.action.CREATE and data is not None:
+        if request.action == kmock.action.CREATE and data is not None:
             return self._as_create(request, data)
         return request
 
-    def _admit_change(self, request: rendering.Request, res: kmock.resource,
-                      current: dict[str, Any], after: dict[str, Any]) -> rendering.Request:
+    def _admit_change(self, request: kmock.Request, res: kmock.resource,
+                      current: dict[str, Any], after: dict[str, Any]) -> kmock.Request:
         """Validate `after` as the API server would and make the request write exactly it."""
         self._check_immutable(res, current, after)
         after = self._admit(res, after)
@@ -363,14 +362,14 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             after["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
         return _rewrite(request, data=_merge_patch_to(current, after))
 
-    async def _serve_scale(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _serve_scale(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         """The scale subresource of a Deployment or StatefulSet (kubectl scale): an
         autoscaling/v1 Scale; a write to it is a write of the workload's spec.replicas."""
         key = (request.resource, request.namespace, request.name)
         current = self._stored(key)
         if current is None:
-            return await super()._handle(request)  # the API server's 404
-        if request.method in (enums.method.PATCH, enums.method.PUT):
+            return await self.serve_default(request)  # the API server's 404
+        if request.method in (kmock.method.PATCH, kmock.method.PUT):
             scale = _scale_of(current)
             data = request.data
             try:
@@ -383,7 +382,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                     status=422, reason="Invalid",
                     message=f"Scale.autoscaling {request.name!r} is invalid: {err}") from None
             _rewrite(request, subresource=None, data={"spec": {"replicas": replicas}},
-                     method=enums.method.PATCH)
+                     method=kmock.method.PATCH)
             await self._route(request)
             current = self._stored(key) or current
         return aiohttp.web.json_response(_scale_of(current))
@@ -424,7 +423,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                              "resourceVersion": str(next(self._versions))},
                 "status": {"phase": "Active"}}
 
-    def _as_create(self, request: rendering.Request, data: dict[str, Any]) -> rendering.Request:
+    def _as_create(self, request: kmock.Request, data: dict[str, Any]) -> kmock.Request:
         assert request.resource is not None
         body = copy.deepcopy(data)
         meta = body.setdefault("metadata", {})
@@ -439,7 +438,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         if self._has_status_subresource(request.resource):
             body.pop("status", None)
         body = self._admit(request.resource, body)
-        return _rewrite(request, data=body, action=enums.action.CREATE)
+        return _rewrite(request, data=body, action=kmock.action.CREATE)
 
     def _admit(self, res: kmock.resource, obj: dict[str, Any]) -> dict[str, Any]:
         """Default and validate a custom resource against its CRD schema, as the API server does.
@@ -461,7 +460,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
                         f"{where}: {first.message}")
         return dict(defaulted)
 
-    async def _after_write(self, request: rendering.Request) -> None:
+    async def _after_write(self, request: kmock.Request) -> None:
         res = request.resource
         assert res is not None
         if res.plural in WORKLOAD_PLURALS and self.readiness == "instant" \
@@ -472,9 +471,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             await self.set_workload_ready(res.plural, namespace, name)
 
     async def _publish(self, key: Any, patch: dict[str, Any]) -> None:
-        async with self._lock:
+        async with self.write_lock:
             self.objects[key].patch(patch)
-            await self._buses[key[0]].put({"type": "MODIFIED", "object": self.objects[key].raw})
+            await self.emit_watch_event(key[0], {"type": "MODIFIED",
+                                                 "object": self.objects[key].raw})
 
     async def set_workload_ready(self, plural: str, namespace: str | None, name: str,
                                  ready: int | None = None) -> None:
@@ -520,26 +520,13 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             ]
             if not orphans:
                 return
-            async with self._lock:
+            async with self.write_lock:
                 for key in orphans:
                     raw = self.objects[key].raw
                     self.objects[key].delete()
-                    await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+                    await self.emit_watch_event(key[0], {"type": "DELETED", "object": raw})
 
     # -- reading ----------------------------------------------------------------------------
-
-    @override
-    async def _serve_server_version(self, request: rendering.Request) -> dict[str, Any]:
-        # The Kubernetes version whose API the emulator's behaviour follows (CEL in CRDs, SSA).
-        version = await super()._serve_server_version(request)
-        assert isinstance(version, dict)
-        return {**version, "minor": "32", "gitVersion": "v1.32.0-emulated"}
-
-    @override
-    def _get_resources(self) -> list[kmock.resource]:
-        # Every resource we serve is declared (bundled or by a CRD); kmock's own version also
-        # scans every stored object on each discovery request.
-        return super(kmock.KubernetesEmulator, self)._get_resources()
 
     def _keys_of(self, res: kmock.resource) -> list[Any]:
         """Object keys of one resource. Keys are never removed (deletion is soft), so the index
@@ -551,7 +538,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             self._index, self._indexed_count = index, len(self.objects)
         return self._index.get(res, [])
 
-    def _select(self, request: rendering.Request) -> list[dict[str, Any]]:
+    def _select(self, request: kmock.Request) -> list[dict[str, Any]]:
         labels = request.params.get("labelSelector", "")
         fields = request.params.get("fieldSelector", "")
         found = []
@@ -577,24 +564,23 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def _api_version(self, res: kmock.resource) -> str:
         return f"{res.group}/{res.version}" if res.group else str(res.version)
 
-    async def _serve_filtered_list(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _serve_filtered_list(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         assert res is not None
-        if res not in self._get_resources():
-            return await super()._handle(request)  # the 404 of an unknown resource
+        if res not in self.declared_resources():
+            return await self.serve_default(request)  # the 404 of an unknown resource
         items = [{"apiVersion": self._api_version(res), "kind": self._kind(res), **obj}
                  for obj in self._select(request)]
         return aiohttp.web.json_response({
             "apiVersion": self._api_version(res), "kind": f"{self._kind(res)}List",
             "metadata": {"resourceVersion": str(next(self._versions))}, "items": items})
 
-    async def _stream_watch(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _stream_watch(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         """kmock's watch, served as JSON lines (kubectl rejects octet-stream)."""
-        assert request._raw_request is not None
         labels = request.params.get("labelSelector", "")
         fields = request.params.get("fieldSelector", "")
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(request._raw_request)
+        await response.prepare(raw_request(request))
         # Watch-list clients (client-go's reflector, helm's waiter) wait for a bookmark that
         # marks the end of the initial ADDED events.
         initial = -1
@@ -603,7 +589,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             initial = sum(1 for key in self._keys_of(request.resource)
                           if not self.objects[key].deleted and request.namespace in (
                               None, key[1]))
-        events: AsyncIterator[Any] = self._serve_watch(request)
+        events: AsyncIterator[Any] = self.watch_events(request)
         try:
             if initial == 0:
                 await response.write(self._initial_events_end(request))
@@ -621,7 +607,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             pass
         return response
 
-    def _initial_events_end(self, request: rendering.Request) -> bytes:
+    def _initial_events_end(self, request: kmock.Request) -> bytes:
         assert request.resource is not None
         bookmark = {"type": "BOOKMARK", "object": {
             "kind": self._kind(request.resource),
@@ -631,10 +617,10 @@ class ClusterEmulator(kmock.KubernetesEmulator):
         return json.dumps(bookmark).encode() + b"\n"
 
     @staticmethod
-    def _wants_table(request: rendering.Request) -> bool:
+    def _wants_table(request: kmock.Request) -> bool:
         return "as=Table" in request.headers.get("Accept", "")
 
-    async def _serve_table(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+    async def _serve_table(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         res = request.resource
         assert res is not None
         columns = [{"name": "Name", "type": "string", "format": "name", "description": "",
@@ -643,7 +629,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
              "description": c.get("description", ""), "priority": c.get("priority", 0)}
             for c in self.printer_columns[res]]
         objs = self._select(request)
-        if request.action == enums.action.FETCH and not objs:
+        if request.action == kmock.action.FETCH and not objs:
             raise kmock.KubernetesObjectNotFoundError()
         rows = []
         for obj in objs:
@@ -660,20 +646,9 @@ class ClusterEmulator(kmock.KubernetesEmulator):
             "metadata": {"resourceVersion": str(next(self._versions))},
             "columnDefinitions": columns, "rows": rows})
 
-    @override
-    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
-        payload = await super()._serve_version(request)
-        if isinstance(payload, dict):
-            if payload.get("groupVersion") == "/v1":
-                payload["groupVersion"] = "v1"  # kmock reports the core group as "/v1"
-            for entry in payload.get("resources", []):
-                if "/" in entry["name"]:  # subresources have no short names of their own
-                    entry["shortNames"], entry["categories"] = [], []
-        return payload
-
     def openapi_v3_root(self) -> dict[str, Any]:
         """Enough OpenAPI v3 for kubectl to find server-side field validation and use it."""
-        group_versions = {self._api_version(r) for r in self._get_resources()}
+        group_versions = {self._api_version(r) for r in self.declared_resources()}
         return {"paths": {
             ("api/v1" if gv == "v1" else f"apis/{gv}"): {
                 "serverRelativeURL": "/openapi/v3/" + ("api/v1" if gv == "v1" else f"apis/{gv}")}
@@ -682,7 +657,7 @@ class ClusterEmulator(kmock.KubernetesEmulator):
     def openapi_v3_group(self, group_version: str) -> dict[str, Any]:
         paths: dict[str, Any] = {}
         schemas: dict[str, Any] = {}
-        for res in self._get_resources():
+        for res in self.declared_resources():
             if self._api_version(res) != group_version:
                 continue
             prefix = f"/apis/{group_version}" if res.group else "/api/v1"

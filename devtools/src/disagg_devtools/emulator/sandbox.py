@@ -16,12 +16,12 @@ from pathlib import Path
 
 import kmock
 import kopf
-
 from disagg_operator.crd import build_crd
-from disagg_operator.emulator import ClusterEmulator, Readiness
 from disagg_operator.handlers import OperatorConfig, registry
 from disagg_operator.spec import PLURAL
-from disagg_operator.waiting import wait_for
+
+from disagg_devtools.emulator.server import ClusterEmulator, Readiness
+from disagg_devtools.waiting import wait_for
 
 # The watches kopf opens for our handlers; objects created before them would be missed.
 WATCHED = (PLURAL, "deployments", "statefulsets", "services", "configmaps")

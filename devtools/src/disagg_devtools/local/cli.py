@@ -1,4 +1,4 @@
-"""`disagg-operator local`: up, down, status and demo."""
+"""`disagg-local`: up, down, status and demo."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Any
 
 import click
 import yaml
+from disagg_operator.spec import DisaggServingSpec, InvalidSpecError, parse_spec
 
-from disagg_operator.local.commands import LocalPlanError
-from disagg_operator.local.metrics import scrape_total
-from disagg_operator.local.runner import (
+from disagg_devtools.local.commands import LocalPlanError
+from disagg_devtools.local.metrics import scrape_total
+from disagg_devtools.local.runner import (
     LocalDeployment,
     RunFolder,
     StartupError,
@@ -25,7 +26,6 @@ from disagg_operator.local.runner import (
     process_reports,
     stop_recorded,
 )
-from disagg_operator.spec import DisaggServingSpec, InvalidSpecError, parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 DEMO_EXAMPLE = EXAMPLES / "tiny-mla-1p2d.yaml"
@@ -62,7 +62,7 @@ def check_serving_python(python: str) -> None:
     if missing:
         raise click.ClickException(
             f"{python} lacks {', '.join(missing)}: local deployments run in the serving "
-            "environment; use .venv-serving/bin/disagg-operator (make run sets it up), or "
+            "environment; use .venv-serving/bin/disagg-local (make run sets it up), or "
             "--python with a Python that has vLLM, kvhelper and Mooncake")
 
 
@@ -76,7 +76,7 @@ def with_tiny_model(spec: DisaggServingSpec, folder: RunFolder, python: str
     model_dir = folder.root / f"{spec.model.name}-model"
     if not (model_dir / "config.json").exists():
         click.echo(f"generating the tiny {kind.upper()} model in {model_dir}")
-        subprocess.run([python, "-m", "kvhelper.tiny_models", kind, str(model_dir)],
+        subprocess.run([python, "-m", "disagg_devtools.tiny_models", kind, str(model_dir)],
                        check=True, stdout=subprocess.DEVNULL)
     model = spec.model.model_copy(update={
         "name": str(model_dir.resolve()),
@@ -84,7 +84,7 @@ def with_tiny_model(spec: DisaggServingSpec, folder: RunFolder, python: str
     return spec.model_copy(update={"model": model})
 
 
-@click.group("local")
+@click.group("disagg-local")
 def local() -> None:
     """Run a DisaggServing on this machine (etcd, Mooncake master, vLLM servers, proxy)."""
 
@@ -110,7 +110,7 @@ def up_cmd(path: Path, run_dir: Path | None, model: str | None, python: str,
     spec = with_tiny_model(spec, folder, python)
     url = _up(name, spec, folder, python, proxy_port, timeout)
     click.echo(f"{name} is serving at {url} (logs in {folder.logs}); stop it with: "
-               f"disagg-operator local down --run-dir {folder.root}")
+               f"disagg-local down --run-dir {folder.root}")
 
 
 def _up(name: str, spec: DisaggServingSpec, folder: RunFolder, python: str,
@@ -216,3 +216,7 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
     with urllib.request.urlopen(request, timeout=120) as response:
         answer: dict[str, Any] = json.loads(response.read())
     return answer
+
+
+if __name__ == "__main__":
+    local()

@@ -1,0 +1,1 @@
+"""Development tools for disagg-operator; nothing here ships in the operator or serving image."""
