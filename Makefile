@@ -16,12 +16,13 @@ TOOLS_STAMP := $(TOOLS_VENV)/.installed
 # As root, servers started here live in a private network namespace (loopback only).
 ISOLATE := $(if $(filter 0,$(shell id -u)),unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"',)
 
-# The operator's environment: the controller, and the API emulator that tests it.
-$(STAMP): operator/pyproject.toml devtools/pyproject.toml requirements-dev.txt
+# The operator's environment: the controller, the API emulator that tests it, the simulator.
+$(STAMP): operator/pyproject.toml devtools/pyproject.toml simulator/pyproject.toml \
+		requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e 'operator[controller]' -e 'devtools[emulator]' \
-		-r requirements-dev.txt
+		-e simulator -r requirements-dev.txt
 	touch $(STAMP)
 
 $(SERVING_STAMP): kvhelper/pyproject.toml operator/pyproject.toml devtools/pyproject.toml \
@@ -62,8 +63,8 @@ test: $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)
 	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/serving'
 
 lint: $(STAMP) $(SERVING_STAMP)
-	$(VENV)/bin/ruff check operator kvhelper devtools tests benchmarks
-	$(VENV)/bin/mypy operator/src devtools/src
+	$(VENV)/bin/ruff check operator kvhelper devtools simulator tests benchmarks
+	$(VENV)/bin/mypy operator/src devtools/src simulator/src
 	@# kvhelper is read as source here (its runtime needs vLLM): import-linter only parses it.
 	PYTHONPATH=kvhelper/src $(VENV)/bin/lint-imports
 	$(SERVING_VENV)/bin/mypy kvhelper/src

@@ -1,0 +1,1 @@
+"""A discrete-event simulator of XpYd disaggregated serving with a shared KV store."""

@@ -1,0 +1,237 @@
+"""The simulator's parts against references written the slow, obvious way."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from disagg_sim.cache import BlockCache
+from disagg_sim.cluster import POLICIES, Cluster
+from disagg_sim.engines import DecodeInstance, PrefillInstance, PrefillJob, Sequence
+from disagg_sim.events import EventLoop
+from disagg_sim.profile import DecodeModel, PrefillModel, load_profile, parse_profile
+from disagg_sim.simulate import simulate
+from disagg_sim.trace import (
+    Request,
+    TraceRow,
+    parse_rate_steps,
+    read_trace,
+    to_requests,
+    warp,
+)
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+DECODE = DecodeModel(base_s=0.01, per_sequence_s=0.002, per_context_token_s=1e-5,
+                     max_sequences=3, kv_capacity_tokens=10_000)
+
+
+def request(ident: int, arrival: float, prompt: int, output: int,
+            keys: tuple[int, ...] = ()) -> Request:
+    return Request(ident, arrival, prompt, output, keys, 32)
+
+
+def reference_decode(model: DecodeModel, arrivals: list[tuple[float, Request]]
+                     ) -> dict[int, tuple[float, float]]:
+    """One step at a time: who runs, how long the step takes, who finishes."""
+    pending = sorted(arrivals, key=lambda a: a[0])
+    running: list[list[float]] = []  # [id, prompt, generated, output, reserved]
+    waiting: list[Request] = []
+    out: dict[int, list[float]] = {}
+    now = 0.0
+    while pending or running or waiting:
+        while pending and pending[0][0] <= now + 1e-12:
+            waiting.append(pending.pop(0)[1])
+        reserved = sum(r[4] for r in running)
+        while waiting and len(running) < model.max_sequences and (
+                reserved + waiting[0].prompt_tokens + waiting[0].output_tokens
+                <= model.kv_capacity_tokens or not running):
+            r = waiting.pop(0)
+            running.append([r.id, r.prompt_tokens, 0, r.output_tokens,
+                            r.prompt_tokens + r.output_tokens])
+            reserved += r.prompt_tokens + r.output_tokens
+        if not running:
+            now = pending[0][0]
+            continue
+        context = sum(r[1] + r[2] for r in running)
+        now += model.base_s + model.per_sequence_s * len(running) + \
+            model.per_context_token_s * context
+        for r in running:
+            r[2] += 1
+            if r[2] == 1:
+                out[int(r[0])] = [now, 0.0]
+            if r[2] == r[3]:
+                out[int(r[0])][1] = now
+        running = [r for r in running if r[2] < r[3]]
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_in_closed_form_matches_stepping_one_step_at_a_time(seed: int) -> None:
+    rng = random.Random(seed)
+    arrivals = [(rng.uniform(0, 2), request(i, 0, rng.randint(10, 3000), rng.randint(1, 60)))
+                for i in range(rng.randint(1, 12))]
+    loop = EventLoop()
+    decode = DecodeInstance("d", DECODE, loop)
+    seen: dict[int, list[float]] = {}
+    for at, r in arrivals:
+        def arrive(r: Request = r) -> None:
+            seen[r.id] = [0.0, 0.0]
+            decode.arrive(Sequence(r, lambda t, i=r.id: seen[i].__setitem__(0, t),
+                                   lambda t, i=r.id: seen[i].__setitem__(1, t)))
+        loop.at(at, arrive)
+    loop.run()
+    expected = reference_decode(DECODE, arrivals)
+    # A sequence joins at the first step boundary at or after its arrival, as in vLLM.
+    assert seen.keys() == expected.keys()
+    for ident, (first, finish) in expected.items():
+        assert seen[ident] == pytest.approx([first, finish], rel=1e-9, abs=1e-9), ident
+    assert decode.idle and decode.reserved_tokens == 0
+    assert decode.context_tokens == pytest.approx(0, abs=1e-6)
+
+
+def test_prefill_chunks_the_queue_by_the_token_budget() -> None:
+    model = PrefillModel(base_s=0.01, per_token_s=0.001, per_token_context_s=0.0,
+                         max_batched_tokens=100)
+    loop = EventLoop()
+    prefill = PrefillInstance("p", model, loop)
+    done: dict[int, float] = {}
+    for ident, tokens in ((0, 150), (1, 30)):
+        prefill.submit(PrefillJob(request(ident, 0, tokens, 1), 0,
+                                  lambda t, i=ident: done.__setitem__(i, t)))
+    loop.run()
+    # Step 1: 100 tokens of request 0. Step 2: its last 50 and all 30 of request 1.
+    assert done[0] == pytest.approx(0.11 + 0.09)
+    assert done[1] == pytest.approx(done[0])
+    assert prefill.idle and prefill.queued_tokens == 0
+
+
+def test_the_block_cache_evicts_the_least_recently_used() -> None:
+    cache = BlockCache(3)
+    cache.insert([1, 2, 3])
+    assert cache.prefix_hits([1, 2], 5) == 2  # 1 and 2 used: 3 is now the oldest
+    cache.insert([4])
+    assert cache.prefix_hits([3], 5) == 0 and cache.prefix_hits([1, 2, 4], 5) == 3
+    assert cache.evicted == 1
+
+
+def test_trace_blocks_become_chained_keys_and_partial_blocks_are_not_reusable() -> None:
+    rows = [TraceRow(0, 1100, 5, (7, 8, 9)), TraceRow(1000, 1024, 5, (7, 8)),
+            TraceRow(2000, 600, 5, (9, 8))]
+    first, second, third = to_requests(rows, block_tokens=32)
+    assert first.prompt_tokens == 32 + 32 + round(76 / 512 * 32)
+    assert len(first.block_keys) == 2 and first.block_keys == second.block_keys
+    assert third.block_keys[0] != first.block_keys[0]  # same id, other prefix
+    assert second.usable_blocks == 1  # the last token is always computed
+    assert [r.arrival for r in (first, second, third)] == [0, 1, 2]
+
+
+def test_rate_steps_compress_and_stretch_segments_of_the_recorded_timeline() -> None:
+    steps = parse_rate_steps("0:1,100:4,200:0.5")
+    assert warp([50, 100, 150, 200, 210], steps=steps) == pytest.approx(
+        [50, 100, 112.5, 125, 145])
+    assert warp([100], scale=2) == [50]
+    with pytest.raises(ValueError, match="TRACE_SECOND:FACTOR"):
+        parse_rate_steps("0:1,100")
+
+
+def small_profile(**changes: object) -> dict[str, object]:
+    return {"name": "test", "prefill": {"base_s": 0.005, "per_token_s": 1e-5},
+            "decode": {"base_s": 0.01, "per_sequence_s": 1e-4, "per_context_token_s": 1e-8},
+            "transfer": {"bytes_per_token": 1000, "bandwidth_bytes_per_s": 1e9},
+            "store_capacity_bytes": 1e12, **changes}
+
+
+def conversation_requests(turns: int = 30) -> list[Request]:
+    """Conversations whose every turn extends the previous one by two blocks."""
+    rows = []
+    for conversation in range(10):
+        ids: tuple[int, ...] = (1000 + conversation,)
+        for turn in range(turns // 10):
+            ids = (*ids, conversation * 100 + 2 * turn, conversation * 100 + 2 * turn + 1)
+            rows.append(TraceRow(1000.0 * (turn * 10 + conversation), len(ids) * 512, 4, ids))
+    rows.sort(key=lambda r: r.timestamp_ms)
+    return to_requests(rows, block_tokens=32)
+
+
+def ideal_share(requests: list[Request]) -> float:
+    seen: set[int] = set()
+    computed = 0
+    for r in requests:
+        hits = 0
+        while hits < r.usable_blocks and r.block_keys[hits] in seen:
+            hits += 1
+        computed += r.prompt_tokens - hits * r.block_tokens
+        seen.update(r.block_keys)
+    return computed / sum(r.prompt_tokens for r in requests)
+
+
+def test_store_aware_computes_what_an_unbounded_cluster_cache_would() -> None:
+    requests = conversation_requests()
+    profile = parse_profile(small_profile(engine_prefix_cache=False))
+    summary, _ = simulate(profile, requests, "store-aware", 2, 2)
+    assert summary.finished == len(requests)
+    assert summary.computed_share == pytest.approx(ideal_share(requests))
+    no_reuse, _ = simulate(profile, requests, "round-robin", 2, 2)
+    assert no_reuse.computed_share == 1.0
+    assert summary.ttft_p50 < no_reuse.ttft_p50
+
+
+def test_a_small_store_evicts_and_reuses_less() -> None:
+    requests = conversation_requests()
+    roomy = parse_profile(small_profile(engine_prefix_cache=False))
+    tiny = parse_profile(small_profile(engine_prefix_cache=False,
+                                       store_capacity_bytes=4 * 32 * 1000))
+    full, _ = simulate(roomy, requests, "store-aware", 2, 2)
+    small, cluster = simulate(tiny, requests, "store-aware", 2, 2)
+    assert small.computed_share > full.computed_share and cluster.store.evicted > 0
+
+
+def test_the_kv_router_follows_each_engines_own_cache() -> None:
+    requests = conversation_requests()
+    profile = parse_profile(small_profile())
+    routed, _ = simulate(profile, requests, "kv-router", 4, 2)
+    spread, _ = simulate(profile, requests, "round-robin", 4, 2)
+    assert routed.computed_share < spread.computed_share
+
+
+def test_new_instances_serve_after_their_start_up_and_leaving_ones_drain() -> None:
+    profile = parse_profile(small_profile())
+    cluster = Cluster(profile, "least-loaded", 32)
+    cluster.add("prefill", 1)
+    cluster.add("decode", 1)
+    cluster.loop.run(until=0)
+    cluster.add("decode", 1, delay=5.0)
+    for ident in range(6):
+        cluster.submit(request(ident, 0.1 * ident, 64, 200))
+    cluster.loop.run(until=1.0)
+    assert cluster.serving("decode") == 1  # the new one is still starting
+    cluster.remove("decode", 1)  # drains the only serving decode: it keeps its sequences
+    cluster.loop.run(until=4.9)
+    cluster.loop.run()
+    assert all(o.finish is not None for o in cluster.outcomes)
+    assert cluster.serving("decode") == 1 and len(cluster.decodes) == 1
+    assert cluster.decodes[0].name == "decode-2"
+
+
+def test_unknown_profile_fields_and_policies_are_named() -> None:
+    with pytest.raises(ValueError, match="unknown field"):
+        parse_profile(small_profile(gpus=8))
+    with pytest.raises(ValueError, match="choose one of"):
+        Cluster(parse_profile(small_profile()), "random", 32)
+    with pytest.raises(FileNotFoundError, match="deepseek-v3-h200"):
+        load_profile("no-such-profile")
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the trace lives in ../shared/traces")
+def test_the_whole_trace_replays_with_every_policy() -> None:
+    requests = to_requests(read_trace(TRACE))
+    profile = load_profile("deepseek-v3-h200")
+    shares = {}
+    for policy in POLICIES:
+        summary, _ = simulate(profile, requests, policy, 4, 4)
+        assert summary.finished == summary.requests == 12_031
+        shares[policy] = summary.computed_share
+    # The trace's own figure: 36.6% of prompt blocks repeat an earlier block.
+    assert shares["store-aware"] == pytest.approx(1 - 0.366, abs=0.01)
+    assert shares["store-aware"] < shares["kv-router"] < shares["round-robin"]
