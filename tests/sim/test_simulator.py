@@ -6,19 +6,21 @@ import random
 from pathlib import Path
 
 import pytest
+from disagg_operator.performance import DecodeModel, PrefillModel
 from disagg_sim.cache import BlockCache
 from disagg_sim.cluster import POLICIES, Cluster
 from disagg_sim.engines import DecodeInstance, PrefillInstance, PrefillJob, Sequence
 from disagg_sim.events import EventLoop
-from disagg_sim.profile import DecodeModel, PrefillModel, load_profile, parse_profile
+from disagg_sim.profile import load_profile, parse_profile
 from disagg_sim.simulate import simulate
 from disagg_sim.trace import (
     Request,
     TraceRow,
+    apply_rate_steps,
     parse_rate_steps,
     read_trace,
+    scaled_arrivals,
     to_requests,
-    warp,
 )
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
@@ -126,12 +128,23 @@ def test_trace_blocks_become_chained_keys_and_partial_blocks_are_not_reusable() 
     assert [r.arrival for r in (first, second, third)] == [0, 1, 2]
 
 
-def test_rate_steps_compress_and_stretch_segments_of_the_recorded_timeline() -> None:
-    steps = parse_rate_steps("0:1,100:4,200:0.5")
-    assert warp([50, 100, 150, 200, 210], steps=steps) == pytest.approx(
-        [50, 100, 112.5, 125, 145])
-    assert warp([100], scale=2) == [50]
-    with pytest.raises(ValueError, match="TRACE_SECOND:FACTOR"):
+def test_rate_steps_repeat_or_thin_whole_conversations_and_keep_the_timeline() -> None:
+    rows = [TraceRow(1000.0 * t, 1024, 5, (0, conversation, 100 * conversation + t))
+            for t in range(30) for conversation in range(1, 41)]
+    steps = parse_rate_steps("0:1,10:3,20:0.5")
+    out = apply_rate_steps(rows, steps, copy_offset_ms=100)
+    per_segment = [sum(a <= r.timestamp_ms / 1000 < b for r in out)
+                   for a, b in ((0, 10), (10, 20), (20, 30))]
+    assert per_segment[:2] == [400, 1200]
+    assert 100 <= per_segment[2] <= 300  # about half of 400
+    kept = {r.hash_ids[1] for r in out if r.timestamp_ms >= 20_000}
+    for conversation in kept:  # a thinned conversation keeps all its later turns
+        assert sum(r.hash_ids[1] == conversation for r in out if r.timestamp_ms >= 20_000) == 10
+    copies = [r for r in out if r.timestamp_ms == 15_000 + 100]
+    assert copies and all(r.hash_ids[0] == 0 and r.hash_ids[1] not in range(1, 41)
+                          for r in copies)  # other users: same system prompt, own blocks
+    assert scaled_arrivals(rows[:3], scale=2)[-1] == 0
+    with pytest.raises(ValueError, match="SECOND:FACTOR"):
         parse_rate_steps("0:1,100")
 
 
@@ -205,13 +218,24 @@ def test_new_instances_serve_after_their_start_up_and_leaving_ones_drain() -> No
     for ident in range(6):
         cluster.submit(request(ident, 0.1 * ident, 64, 200))
     cluster.loop.run(until=1.0)
-    assert cluster.serving("decode") == 1  # the new one is still starting
-    cluster.remove("decode", 1)  # drains the only serving decode: it keeps its sequences
-    cluster.loop.run(until=4.9)
+    assert (cluster.serving("decode"), cluster.provisioned("decode")) == (1, 2)
+    cluster.remove("decode", 1)  # the one still starting is taken back first
+    assert cluster.provisioned("decode") == 1
+    cluster.add("decode", 1)
+    cluster.loop.run(until=1.5)
+    assert [d.name for d in cluster.decodes] == ["decode-1", "decode-3"]
+    for ident in range(6, 12):
+        cluster.submit(request(ident, 1.6 + 0.01 * ident, 64, 200))
+    cluster.loop.run(until=1.8)
+    draining = cluster.decodes[1]
+    assert draining.outstanding > 0
+    cluster.remove("decode", 1)  # drains the newest: it keeps its sequences, gets no more
+    assert draining.draining and draining in cluster.decodes
     cluster.loop.run()
     assert all(o.finish is not None for o in cluster.outcomes)
-    assert cluster.serving("decode") == 1 and len(cluster.decodes) == 1
-    assert cluster.decodes[0].name == "decode-2"
+    assert [d.name for d in cluster.decodes] == ["decode-1"]  # decode-2 never served
+    hours = cluster.instance_seconds["decode"]
+    assert 1.0 + draining.busy_seconds <= hours < cluster.loop.now + 5.0
 
 
 def test_unknown_profile_fields_and_policies_are_named() -> None:

@@ -17,11 +17,12 @@ from disagg_sim.profile import load_profile
 from disagg_sim.simulate import HEADER, Targets, simulate
 from disagg_sim.trace import (
     TRACE_BLOCK,
+    apply_rate_steps,
     parse_rate_steps,
     read_trace,
     sample_conversations,
+    scaled_arrivals,
     to_requests,
-    warp,
 )
 
 # The repository's copy of the trace, beside the checkout (../shared/traces).
@@ -41,8 +42,8 @@ def parser() -> argparse.ArgumentParser:
     cli.add_argument("--rate-scale", type=float, default=1.0,
                      help="arrivals this many times as fast as recorded")
     cli.add_argument("--rate-steps", default="",
-                     help="piecewise rate over the recorded timeline, TRACE_SECOND:FACTOR,... "
-                     "e.g. 0:1,1200:3,2400:0.5")
+                     help="piecewise rate over the recorded timeline, SECOND:FACTOR,... "
+                     "e.g. 0:1,1200:3,2400:0.5 (conversations repeated or thinned)")
     cli.add_argument("--modulo", type=int, default=0,
                      help="keep whole conversations: second hash id 0 modulo this (0: all)")
     cli.add_argument("--limit", type=int, default=None, help="at most this many requests")
@@ -72,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = sample_conversations(rows, args.modulo, args.limit)
     elif args.limit:
         rows = rows[:args.limit]
-    start = rows[0].timestamp_ms / 1000 if rows else 0.0
-    arrivals = warp([r.timestamp_ms / 1000 - start for r in rows], args.rate_scale, steps)
+    if steps:
+        rows = apply_rate_steps(rows, steps)
+    arrivals = scaled_arrivals(rows, args.rate_scale)
     requests = to_requests(rows, args.block_tokens, args.max_blocks, args.output_tokens,
                            arrivals)
     targets = Targets(args.ttft_target, args.itl_target)

@@ -71,6 +71,8 @@ class Cluster:
         self._names = itertools.count()
         self._turn = {"prefill": 0, "decode": 0}
         self._started: dict[str, float] = {}
+        self._starting: dict[str, str] = {}  # name -> role, scaled out and not serving yet
+        self._cancelled: set[str] = set()
 
     # -- membership --------------------------------------------------------------------------
 
@@ -79,9 +81,14 @@ class Cluster:
         for _ in range(count):
             name = f"{role}-{next(self._names)}"
             self._started[name] = self.loop.now  # instances cost from the moment they start
+            self._starting[name] = role
             self.loop.at(self.loop.now + delay, functools.partial(self._join, role, name))
 
     def _join(self, role: str, name: str) -> None:
+        del self._starting[name]
+        if name in self._cancelled:  # taken back while starting; its cost ended then
+            self._cancelled.discard(name)
+            return
         if role == "prefill":
             self.prefills.append(PrefillInstance(name, self.profile.prefill, self.loop))
             if self.profile.engine_prefix_cache:
@@ -92,9 +99,16 @@ class Cluster:
                                                time=self.loop.now))
 
     def remove(self, role: str, count: int) -> None:
-        """Drain `count` instances of `role`: no new work; they leave when idle."""
+        """Take `count` instances of `role` away: ones still starting first (they never serve),
+        then serving ones drain: no new work, and they leave when idle."""
+        starting = [n for n, r in self._starting.items() if r == role and n not in
+                    self._cancelled]
+        for name in starting[len(starting) - count:] if count else []:
+            self._cancelled.add(name)
+            self.instance_seconds[role] += self.loop.now - self._started.pop(name)
+            count -= 1
         pool = self.prefills if role == "prefill" else self.decodes
-        for instance in [i for i in pool if not i.draining][-count:] if count else []:
+        for instance in [i for i in pool if not i.draining][-count:] if count > 0 else []:
             instance.draining = True
         self._reap()
 
@@ -107,6 +121,11 @@ class Cluster:
     def serving(self, role: str) -> int:
         pool = self.prefills if role == "prefill" else self.decodes
         return sum(not i.draining for i in pool)
+
+    def provisioned(self, role: str) -> int:
+        """Serving, and starting without having been taken away again."""
+        return self.serving(role) + sum(r == role and n not in self._cancelled
+                                        for n, r in self._starting.items())
 
     def finish_accounting(self) -> None:
         for name, started in self._started.items():

@@ -16,8 +16,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from disagg_operator.performance import DecodeModel, PrefillModel
+
 from disagg_sim.events import EventLoop
-from disagg_sim.profile import DecodeModel, PrefillModel
 from disagg_sim.trace import Request
 
 EPSILON = 1e-12

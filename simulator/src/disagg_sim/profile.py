@@ -1,8 +1,7 @@
 """A profile: the coefficients of one model on one kind of hardware, read from a YAML file.
 
-    prefill step  = base + per_token * tokens + per_token_context * sum(chunk * mean context)
-    decode step   = base + per_sequence * running + per_context_token * sum(contexts)
-    KV transfer   = latency + tokens * bytes_per_token / bandwidth
+    prefill and decode steps: disagg_operator.performance (the planner sizes replicas with them)
+    KV transfer = latency + tokens * bytes_per_token / bandwidth
 
 Every file says where each figure comes from (`sources`): measured here by a script, or taken
 from a named database or publication.
@@ -16,30 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from disagg_operator.performance import DecodeModel, PrefillModel
 
 PROFILES = Path(__file__).parent / "profiles"
-
-
-@dataclass(frozen=True)
-class PrefillModel:
-    base_s: float
-    per_token_s: float
-    per_token_context_s: float = 0.0
-    max_batched_tokens: int = 8192
-    gpus: int = 1
-
-    def step_seconds(self, tokens: int, token_context: float) -> float:
-        return self.base_s + self.per_token_s * tokens + self.per_token_context_s * token_context
-
-
-@dataclass(frozen=True)
-class DecodeModel:
-    base_s: float
-    per_sequence_s: float
-    per_context_token_s: float
-    max_sequences: int = 256
-    kv_capacity_tokens: int = 1_000_000
-    gpus: int = 1
 
 
 @dataclass(frozen=True)

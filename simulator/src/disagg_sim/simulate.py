@@ -6,7 +6,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from disagg_sim.cluster import Cluster
+from disagg_sim.cluster import Cluster, Outcome
 from disagg_sim.profile import Profile
 from disagg_sim.trace import Request
 
@@ -32,7 +32,8 @@ class Summary:
     e2e_p50: float
     skipped_prefill: int
     instance_hours: float
-    slo_attainment: float | None  # share of requests within both targets
+    slo_attainment: float | None  # share of one-minute windows whose p90s meet both targets
+    requests_within: float | None  # share of requests within both targets
     store_evictions: int
     makespan: float
 
@@ -78,11 +79,12 @@ def summarise(cluster: Cluster, prefills: int, decodes: int, targets: Targets | 
     ttft = [o.ttft for o in done]
     itl = [o.itl for o in done if o.request.output_tokens > 1]
     prompt = sum(o.request.prompt_tokens for o in cluster.outcomes) or 1
-    slo = None
+    slo = within = None
     if targets is not None and done:
-        slo = sum(o.ttft <= targets.ttft_p90_s and (o.request.output_tokens <= 1
-                                                    or o.itl <= targets.itl_p90_s)
-                  for o in done) / len(cluster.outcomes)
+        within = sum(o.ttft <= targets.ttft_p90_s and (o.request.output_tokens <= 1
+                                                       or o.itl <= targets.itl_p90_s)
+                     for o in done) / len(cluster.outcomes)
+        slo = window_attainment(cluster.outcomes, targets)
     return Summary(
         cluster.policy, prefills, decodes, len(cluster.outcomes), len(done),
         sum(o.computed_tokens for o in cluster.outcomes) / prompt,
@@ -91,5 +93,23 @@ def summarise(cluster: Cluster, prefills: int, decodes: int, targets: Targets | 
         statistics.median([o.finish - o.request.arrival for o in done if o.finish]) if done
         else 0.0,
         sum(o.route == "skip_prefill" for o in cluster.outcomes),
-        sum(cluster.instance_seconds.values()) / 3600, slo, cluster.store.evicted,
+        sum(cluster.instance_seconds.values()) / 3600, slo, within, cluster.store.evicted,
         cluster.loop.now)
+
+
+def window_attainment(outcomes: Sequence[Outcome], targets: Targets, window_s: float = 60.0
+                      ) -> float:
+    """The share of one-minute windows (by arrival) whose TTFT and ITL p90 meet the targets;
+    a request that never finished fails its window."""
+    windows: dict[int, list[Outcome]] = {}
+    for outcome in outcomes:
+        windows.setdefault(int(outcome.request.arrival // window_s), []).append(outcome)
+    met = 0
+    for members in windows.values():
+        if any(o.finish is None for o in members):
+            continue
+        ttft = percentile([o.ttft for o in members], 0.9)
+        itl = [o.itl for o in members if o.request.output_tokens > 1]
+        met += ttft <= targets.ttft_p90_s and (not itl or percentile(itl, 0.9)
+                                               <= targets.itl_p90_s)
+    return met / len(windows) if windows else 1.0

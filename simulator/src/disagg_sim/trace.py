@@ -88,39 +88,65 @@ def to_requests(rows: Sequence[TraceRow], block_tokens: int = TRACE_BLOCK,
 
 @dataclass(frozen=True)
 class RateStep:
-    """From `trace_second` of the recorded timeline on, arrivals come `factor` times as fast."""
-    trace_second: float
+    """From `second` of the recorded timeline on, arrivals come `factor` times as often."""
+    second: float
     factor: float
 
 
 def parse_rate_steps(text: str) -> list[RateStep]:
-    """`0:1,1200:3,2400:0.5`: trace seconds 0-1200 as recorded, 1200-2400 three times as
-    fast (compressed into 400 s), from 2400 on at half the rate (stretched)."""
+    """`0:1,1200:3,2400:0.5`: as recorded until second 1200, three times the rate until 2400,
+    half the rate after."""
     steps = []
     for item in text.split(","):
         second, sep, factor = item.partition(":")
-        if not sep or float(factor) <= 0:
-            raise ValueError(f"rate step {item!r}: give TRACE_SECOND:FACTOR with FACTOR > 0, "
+        try:
+            step = RateStep(float(second), float(factor))
+        except ValueError:
+            step = RateStep(0, 0)
+        if not sep or step.factor <= 0:
+            raise ValueError(f"rate step {item!r}: give SECOND:FACTOR with FACTOR > 0, "
                              "e.g. 0:1,1200:3,2400:0.5")
-        steps.append(RateStep(float(second), float(factor)))
-    steps.sort(key=lambda s: s.trace_second)
-    if steps[0].trace_second > 0:
+        steps.append(step)
+    steps.sort(key=lambda s: s.second)
+    if steps[0].second > 0:
         steps.insert(0, RateStep(0.0, 1.0))
     return steps
 
 
-def warp(trace_seconds: Sequence[float], scale: float = 1.0,
-         steps: Sequence[RateStep] = ()) -> list[float]:
-    """Simulated arrival times: the recorded times compressed `scale` times overall, and
-    piecewise by `steps` (each segment of the recorded timeline runs `factor` times faster)."""
-    segments = list(steps) or [RateStep(0.0, 1.0)]
-    out = []
-    for tau in trace_seconds:
-        t = 0.0
-        for index, step in enumerate(segments):
-            end = segments[index + 1].trace_second if index + 1 < len(segments) else float("inf")
-            if tau <= step.trace_second:
-                break
-            t += (min(tau, end) - step.trace_second) / step.factor
-        out.append(t / scale)
+def conversation_of(row: TraceRow) -> int:
+    """Turns of one conversation share their leading ids; the first is often a system prompt
+    shared by everyone, so the second names the conversation."""
+    return row.hash_ids[1] if len(row.hash_ids) > 1 else row.hash_ids[0]
+
+
+def apply_rate_steps(rows: Sequence[TraceRow], steps: Sequence[RateStep],
+                     copy_offset_ms: float = 1000.0) -> list[TraceRow]:
+    """Change the arrival rate piecewise while keeping the timeline and whole conversations.
+
+    In a segment with factor f, each conversation appears floor(f) times, and once more for a
+    share f - floor(f) of conversations (chosen by a hash of the conversation, so a
+    conversation keeps all its turns or none). Copy c of a conversation is another user's:
+    its block ids after the first (the shared system prompt) are renamed, and its turns come
+    `c * copy_offset_ms` later. A factor below 1 keeps that share of conversations.
+    """
+    out: list[TraceRow] = []
+    start = rows[0].timestamp_ms if rows else 0.0
+    for row in rows:
+        second = (row.timestamp_ms - start) / 1000
+        factor = [s.factor for s in steps if s.second <= second][-1] if steps else 1.0
+        whole = int(factor)
+        draw = hash((conversation_of(row), 0x5EED)) % 10_000 / 10_000
+        copies = whole + (1 if draw < factor - whole else 0)
+        for copy in range(copies):
+            ids = row.hash_ids if copy == 0 else (
+                row.hash_ids[0], *(hash((copy, i)) for i in row.hash_ids[1:]))
+            out.append(TraceRow(row.timestamp_ms + copy * copy_offset_ms, row.input_length,
+                                row.output_length, ids))
+    out.sort(key=lambda r: r.timestamp_ms)
     return out
+
+
+def scaled_arrivals(rows: Sequence[TraceRow], scale: float = 1.0) -> list[float]:
+    """Seconds from the first arrival, compressed `scale` times."""
+    start = rows[0].timestamp_ms if rows else 0.0
+    return [(r.timestamp_ms - start) / 1000 / scale for r in rows]

@@ -1,0 +1,106 @@
+"""The planner against static configurations in the simulator, on the whole conversation trace
+with the DeepSeek-V3 on H200 profile (store-aware routing), and the same planner fed raw
+prompt tokens instead of uncached ones, and AIConfigurator's disaggregated picks:
+
+1. the recorded trace: the best static P:D of a sweep (fewest instances meeting both p90
+   targets), and the planner (target: meet them with at most 10% more instances);
+2. the rate-step transform 0:1,1200:3,2400:0.5: a static configuration sized for the peak,
+   and the planner (target: SLO attainment >= 95% on <= 70% of the static's instance-hours).
+
+    .venv/bin/python benchmarks/sim_autoscaling.py        # about two minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import yaml
+from disagg_operator.planner import Bounds
+from disagg_sim.evaluation import Run, best_static, planner_run, static_run, sweep
+from disagg_sim.profile import load_profile
+from disagg_sim.simulate import Targets, fmt
+from disagg_sim.trace import (
+    apply_rate_steps,
+    parse_rate_steps,
+    read_trace,
+    scaled_arrivals,
+    to_requests,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+AIC = ROOT / "benchmarks" / "data" / "aiconfigurator-deepseek-v3-h200.yaml"
+
+
+def line(run: Run, targets: Targets, reference: Run | None = None) -> str:
+    s = run.summary
+    ratio = f"{s.instance_hours / reference.summary.instance_hours:>6.2f}x" if reference else ""
+    return (f"{run.label:<30}{run.instances:>6.2f}{s.instance_hours:>8.2f}{ratio:>8}"
+            f"{fmt(s.ttft_p90):>9}{fmt(s.itl_p90):>8}{s.computed_share:>9.3f}"
+            f"{s.slo_attainment or 0:>8.1%}{s.requests_within or 0:>8.1%}  "
+            f"{'meets' if run.meets(targets) else 'misses'}")
+
+
+HEADER = (f"{'configuration':<30}{'inst':>6}{'inst-h':>8}{'vs ref':>8}{'TTFT p90':>9}"
+          f"{'ITL p90':>8}{'computed':>9}{'SLO min':>8}{'SLO req':>8}  targets")
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("--profile", default="deepseek-v3-h200")
+    cli.add_argument("--trace", type=Path, default=TRACE)
+    cli.add_argument("--ttft", type=float, default=4.0, help="TTFT p90 target, seconds")
+    cli.add_argument("--itl", type=float, default=0.05, help="ITL p90 target, seconds")
+    cli.add_argument("--rate-steps", default="0:1,1200:3,2400:0.5")
+    cli.add_argument("--max-prefill", type=int, default=12)
+    cli.add_argument("--max-decode", type=int, default=4)
+    cli.add_argument("--interval", type=float, default=60.0)
+    args = cli.parse_args()
+    began = time.perf_counter()
+    profile = load_profile(args.profile)
+    targets = Targets(args.ttft, args.itl)
+    bounds = Bounds(1, args.max_prefill * 2, 1, args.max_decode * 2)
+    rows = read_trace(args.trace)
+    configs = [(p, d) for p in range(1, args.max_prefill + 1)
+               for d in range(1, args.max_decode + 1)]
+    stepped = apply_rate_steps(rows, parse_rate_steps(args.rate_steps))
+    workloads = {"recorded trace": to_requests(rows, arrivals=scaled_arrivals(rows)),
+                 f"rate steps {args.rate_steps}": to_requests(
+                     stepped, arrivals=scaled_arrivals(stepped))}
+    print(f"{profile.name}, store-aware routing; targets TTFT p90 <= {args.ttft:g}s, "
+          f"ITL p90 <= {args.itl * 1000:g}ms; planner every {args.interval:g}s, instances "
+          f"start in {profile.startup_s:g}s")
+    for name, requests in workloads.items():
+        runs = sweep(profile, requests, "store-aware", configs, targets)
+        best = best_static(runs, targets)
+        print(f"\n{name}: {len(requests):,} requests; {sum(r.meets(targets) for r in runs)} of "
+              f"{len(runs)} static configurations meet both targets")
+        print(HEADER)
+        if best is None:
+            print("no static configuration in the sweep meets the targets")
+            continue
+        print(line(best, targets, best) + "   <- best static (reference)")
+        plan, decisions = planner_run(profile, requests, "store-aware", targets, bounds,
+                                      args.interval)
+        raw, _ = planner_run(profile, requests, "store-aware", targets, bounds, args.interval,
+                             raw_prompt=True)
+        print(line(plan, targets, best))
+        print(line(raw, targets, best))
+        if name == "recorded trace" and AIC.exists():
+            for pick in yaml.safe_load(AIC.read_text())["picks"]:
+                run = static_run(profile, requests, "store-aware", pick["prefill"],
+                                 pick["decode"], targets)
+                print(line(Run(f"AIConfigurator {pick['total_gpus']} GPUs "
+                               f"{pick['prefill']}P{pick['decode']}D", run.summary,
+                               run.instances), targets, best))
+        counts = [(int(d.at), d.replicas.prefill, d.replicas.decode) for d in decisions]
+        print("planner replicas (second, P, D) every 10 minutes:",
+              ", ".join(f"{t}s {p}P{d}D" for t, p, d in counts[::10]))
+    print(f"\n({time.perf_counter() - began:.0f}s)")
+
+
+if __name__ == "__main__":
+    main()

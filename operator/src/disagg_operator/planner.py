@@ -1,0 +1,188 @@
+"""The planner: prefill and decode replicas from observed load, profiled performance and
+latency targets. Pure; the operator and the simulator each drive it with their own clock and
+metrics (one implementation, two drivers).
+
+Prefill is sized on *uncached* prompt tokens per second (what the store and the engines'
+prefix caches do not already hold), decode on concurrent sequences and their context:
+
+- prefill: each instance serves `mu` tokens/s when saturated. A queue in front of it adds, at
+  utilisation rho, a wait of about rho / (2 (1 - rho)) mean services (M/D/1), and its 90th
+  percentile about 2.3 times that; the largest rho whose prefill time plus that wait fits the
+  TTFT target sets the replicas: demand / (mu * rho).
+- decode: the largest batch whose step fits the ITL target (and the KV space) sets how many
+  sequences one instance holds; Little's law gives the concurrent sequences. The KV tokens
+  running and queued sequences want, over the instances' KV space kept KV_HEADROOM full,
+  give a second floor: long prompts fill KV before the batch is full.
+- measured p90 latencies above target scale the role up (by at most 1.5x); then the counts are
+  clamped to their bounds, kept in the P:D ratio band, and stabilised: a scale-down waits until
+  every recommendation within the window agrees, and removes at most `scale_down_step`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from disagg_operator.performance import DecodeModel, PrefillModel
+
+# The 90th percentile of an exponential-tailed wait, in means (ln 10).
+P90_OF_MEAN = 2.3
+MAX_UTILISATION = 0.95
+MAX_CORRECTION = 1.5
+# Decode KV space is filled to at most this share: prompt lengths vary (one long prompt can
+# take a tenth of an instance), and a full instance queues the next sequence.
+KV_HEADROOM = 0.7
+
+
+@dataclass(frozen=True)
+class Load:
+    """What one interval saw. Token figures are per second; lengths are per request."""
+    requests_per_s: float
+    uncached_tokens_per_s: float  # prompt tokens prefill instances computed
+    cached_tokens_mean: float  # per prefilled request, served from a cache
+    prompt_tokens_mean: float
+    output_tokens_mean: float
+    ttft_p90_s: float | None = None
+    itl_p90_s: float | None = None
+    # KV tokens decode instances hold or wait to hold (running plus queued sequences' prompt
+    # and output), summed over instances: vLLM's KV usage times capacity, plus the queue.
+    kv_tokens_demand: float | None = None
+
+
+@dataclass(frozen=True)
+class Targets:
+    ttft_p90_s: float
+    itl_p90_s: float
+
+
+@dataclass(frozen=True)
+class Bounds:
+    prefill_min: int = 1
+    prefill_max: int = 16
+    decode_min: int = 1
+    decode_max: int = 16
+    ratio_min: float | None = None  # prefill / decode
+    ratio_max: float | None = None
+
+
+@dataclass(frozen=True)
+class Replicas:
+    prefill: int
+    decode: int
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    replicas: Replicas
+    prefill_need: float  # instances the load needs before rounding and bounds
+    decode_need: float
+    reason: str
+
+
+def prefill_need(load: Load, model: PrefillModel, ttft_target: float) -> tuple[float, str]:
+    if load.uncached_tokens_per_s <= 0:
+        return 0.0, "no prefill work"
+    uncached_mean = load.uncached_tokens_per_s / max(load.requests_per_s, 1e-9)
+    service = model.prompt_seconds(uncached_mean, load.cached_tokens_mean)
+    note = ""
+    if service >= ttft_target:
+        rho, note = 0.5, (f"; a mean prompt alone takes {service:.2f}s, over the TTFT target "
+                          f"{ttft_target:g}s")
+    else:
+        headroom = 2 * (ttft_target - service) / (P90_OF_MEAN * service)
+        rho = min(MAX_UTILISATION, headroom / (1 + headroom))
+    capacity = model.tokens_per_second(load.cached_tokens_mean) * rho
+    need = load.uncached_tokens_per_s / capacity
+    return need, (f"{load.uncached_tokens_per_s:.0f} uncached tokens/s over "
+                  f"{capacity:.0f} per instance at {rho:.0%} busy{note}")
+
+
+def decode_need(load: Load, model: DecodeModel, itl_target: float) -> tuple[float, str]:
+    if load.requests_per_s <= 0:
+        return 0.0, "no decode work"
+    context = load.prompt_tokens_mean + load.output_tokens_mean / 2
+    batch = model.batch_within(itl_target, context,
+                               load.prompt_tokens_mean + load.output_tokens_mean)
+    step = model.step_seconds(batch, context)
+    sequences = load.requests_per_s * load.output_tokens_mean * step
+    by_batch = sequences / batch
+    by_kv = (load.kv_tokens_demand or 0.0) / (model.kv_capacity_tokens * KV_HEADROOM)
+    if by_kv > by_batch:
+        return by_kv, (f"{load.kv_tokens_demand:.0f} KV tokens wanted over "
+                       f"{model.kv_capacity_tokens * KV_HEADROOM:.0f} per instance")
+    return by_batch, (f"{sequences:.0f} concurrent sequences over {batch} per instance "
+                      f"within the ITL target")
+
+
+def correction(measured: float | None, target: float) -> float:
+    if measured is None or measured <= target:
+        return 1.0
+    return min(MAX_CORRECTION, measured / target)
+
+
+def within_band(p: int, d: int, bounds: Bounds) -> tuple[int, int]:
+    """Raise the short side until prefill/decode is in the band, or a maximum stops it."""
+    for _ in range(bounds.prefill_max + bounds.decode_max + 1):
+        if bounds.ratio_min is not None and p < bounds.ratio_min * d - 1e-9 \
+                and p < bounds.prefill_max:
+            p = min(bounds.prefill_max, math.ceil(bounds.ratio_min * d - 1e-9))
+        elif bounds.ratio_max is not None and p > bounds.ratio_max * d + 1e-9 \
+                and d < bounds.decode_max:
+            d = min(bounds.decode_max, math.ceil(p / bounds.ratio_max - 1e-9))
+        else:
+            break
+    return p, d
+
+
+def recommend(load: Load, prefill: PrefillModel, decode: DecodeModel, targets: Targets,
+              bounds: Bounds) -> Recommendation:
+    """The replicas this interval's load needs, clamped and kept in the ratio band."""
+    p_need, p_why = prefill_need(load, prefill, targets.ttft_p90_s)
+    d_need, d_why = decode_need(load, decode, targets.itl_p90_s)
+    p_need *= correction(load.ttft_p90_s, targets.ttft_p90_s)
+    d_need *= correction(load.itl_p90_s, targets.itl_p90_s)
+    p = min(bounds.prefill_max, max(bounds.prefill_min, math.ceil(p_need - 1e-9)))
+    d = min(bounds.decode_max, max(bounds.decode_min, math.ceil(d_need - 1e-9)))
+    p, d = within_band(p, d, bounds)
+    return Recommendation(Replicas(p, d), p_need, d_need, f"prefill: {p_why}; decode: {d_why}")
+
+
+@dataclass
+class Stabiliser:
+    """Scale up at once; scale down only to the highest recommendation of the last `window_s`
+    seconds, and by at most `step` instances per decision."""
+    window_s: float
+    step: int = 1
+    _history: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def settle(self, now: float, recommended: int, current: int) -> int:
+        self._history.append((now, recommended))
+        while self._history and self._history[0][0] < now - self.window_s:
+            self._history.popleft()
+        if recommended >= current:
+            return recommended
+        floor = max(r for _, r in self._history)
+        return max(floor, current - self.step) if floor < current else current
+
+
+@dataclass
+class Planner:
+    """`recommend` with stabilisation per role: what a driver calls every interval."""
+    prefill: PrefillModel
+    decode: DecodeModel
+    targets: Targets
+    bounds: Bounds = field(default_factory=Bounds)
+    scale_down_window_s: float = 300.0
+    scale_down_step: int = 1
+
+    def __post_init__(self) -> None:
+        self._stabilisers = {role: Stabiliser(self.scale_down_window_s, self.scale_down_step)
+                             for role in ("prefill", "decode")}
+
+    def decide(self, now: float, load: Load, current: Replicas) -> Recommendation:
+        raw = recommend(load, self.prefill, self.decode, self.targets, self.bounds)
+        settled = Replicas(
+            self._stabilisers["prefill"].settle(now, raw.replicas.prefill, current.prefill),
+            self._stabilisers["decode"].settle(now, raw.replicas.decode, current.decode))
+        return Recommendation(settled, raw.prefill_need, raw.decode_need, raw.reason)

@@ -1,0 +1,86 @@
+"""The planner (disagg_operator.planner, the code the operator runs) driven by simulated time:
+every interval it sees what the cluster saw, and its decision adds instances (serving after
+the profile's start-up delay) or drains them."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from disagg_operator.planner import Load, Planner, Recommendation, Replicas
+
+from disagg_sim.cluster import Cluster
+from disagg_sim.simulate import Summary, Targets, percentile, summarise
+from disagg_sim.trace import Request
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    replicas: Replicas
+    recommendation: Recommendation
+
+
+def observe(cluster: Cluster, since: float, now: float, raw_prompt: bool) -> Load:
+    """The interval's load as the proxy's and engines' metrics give it. `raw_prompt` sizes
+    on every prompt token, as a planner that ignores caches would."""
+    window = max(now - since, 1e-9)
+    arrived = [o for o in cluster.outcomes if since <= o.request.arrival < now]
+    prefilled = [o for o in arrived if o.route == "prefill"]
+    if raw_prompt:
+        uncached = sum(o.request.prompt_tokens for o in arrived)
+        cached_mean = 0.0
+    else:
+        uncached = sum(o.computed_tokens for o in prefilled)
+        cached_mean = statistics.fmean(o.request.prompt_tokens - o.computed_tokens
+                                       for o in prefilled) if prefilled else 0.0
+    first = [o.ttft for o in cluster.outcomes
+             if o.first_token is not None and since <= o.first_token < now]
+    done = [o.itl for o in cluster.outcomes if o.finish is not None and since <= o.finish < now
+            and o.request.output_tokens > 1]
+    return Load(
+        requests_per_s=len(arrived) / window, uncached_tokens_per_s=uncached / window,
+        cached_tokens_mean=cached_mean,
+        prompt_tokens_mean=statistics.fmean(o.request.prompt_tokens for o in arrived)
+        if arrived else 0.0,
+        output_tokens_mean=statistics.fmean(o.request.output_tokens for o in arrived)
+        if arrived else 0.0,
+        ttft_p90_s=percentile(first, 0.9) if first else None,
+        itl_p90_s=percentile(done, 0.9) if done else None,
+        kv_tokens_demand=sum(d.reserved_tokens + sum(s.reserved_tokens for s in d.waiting)
+                             for d in cluster.decodes))
+
+
+def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: Planner,
+                        initial: Replicas, interval_s: float, targets: Targets | None = None,
+                        raw_prompt: bool = False) -> tuple[Summary, list[Decision]]:
+    cluster.add("prefill", initial.prefill)
+    cluster.add("decode", initial.decode)
+    for request in requests:
+        cluster.submit(request)
+    last_arrival = max((r.arrival for r in requests), default=0.0)
+    decisions: list[Decision] = []
+    startup = cluster.profile.startup_s
+
+    def tick() -> None:
+        now = cluster.loop.now
+        load = observe(cluster, now - interval_s, now, raw_prompt)
+        if load.requests_per_s > 0:
+            current = Replicas(cluster.provisioned("prefill"), cluster.provisioned("decode"))
+            decided = planner.decide(now, load, current)
+            for role, have, want in (("prefill", current.prefill, decided.replicas.prefill),
+                                     ("decode", current.decode, decided.replicas.decode)):
+                if want > have:
+                    cluster.add(role, want - have, delay=startup)
+                elif want < have:
+                    cluster.remove(role, have - want)
+            decisions.append(Decision(now, decided.replicas, decided))
+        unfinished = any(o.finish is None for o in cluster.outcomes)
+        if now < last_arrival or unfinished:
+            cluster.loop.at(now + interval_s, tick)
+
+    cluster.loop.at(interval_s, tick)
+    cluster.loop.run()
+    cluster.finish_accounting()
+    return summarise(cluster, initial.prefill, initial.decode, targets), decisions

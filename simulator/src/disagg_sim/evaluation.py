@@ -1,0 +1,81 @@
+"""Static configurations against the planner, on one workload: the sweep, a warm-started
+planner run, and the comparison the autoscaling benchmark prints."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from disagg_operator.planner import Bounds, Planner, Replicas, recommend
+from disagg_operator.planner import Targets as PlannerTargets
+
+from disagg_sim.autoscale import Decision, observe, simulate_autoscaled
+from disagg_sim.cluster import Cluster
+from disagg_sim.profile import Profile
+from disagg_sim.simulate import Summary, Targets, simulate
+from disagg_sim.trace import Request
+
+
+@dataclass(frozen=True)
+class Run:
+    label: str
+    summary: Summary
+    instances: float  # mean instances over the run: instance-hours / hours
+
+    def meets(self, targets: Targets) -> bool:
+        return (self.summary.ttft_p90 <= targets.ttft_p90_s
+                and self.summary.itl_p90 <= targets.itl_p90_s
+                and self.summary.finished == self.summary.requests)
+
+
+def hours(requests: Sequence[Request]) -> float:
+    return max((r.arrival for r in requests), default=0.0) / 3600
+
+
+def static_run(profile: Profile, requests: Sequence[Request], policy: str, prefill: int,
+               decode: int, targets: Targets) -> Run:
+    summary, _ = simulate(profile, requests, policy, prefill, decode, targets)
+    return Run(f"static {prefill}P{decode}D", summary, float(prefill + decode))
+
+
+def sweep(profile: Profile, requests: Sequence[Request], policy: str,
+          configs: Iterable[tuple[int, int]], targets: Targets) -> list[Run]:
+    return [static_run(profile, requests, policy, p, d, targets) for p, d in configs]
+
+
+def best_static(runs: Sequence[Run], targets: Targets) -> Run | None:
+    """The fewest instances that meet both targets (ties: the higher SLO attainment)."""
+    meeting = [r for r in runs if r.meets(targets)]
+    return min(meeting, key=lambda r: (r.instances, -(r.summary.slo_attainment or 0)),
+               default=None)
+
+
+def planner_for(profile: Profile, targets: Targets, bounds: Bounds,
+                scale_down_window_s: float) -> Planner:
+    return Planner(profile.prefill, profile.decode,
+                   PlannerTargets(targets.ttft_p90_s, targets.itl_p90_s), bounds,
+                   scale_down_window_s=scale_down_window_s)
+
+
+def warm_start(profile: Profile, requests: Sequence[Request], policy: str, targets: Targets,
+               bounds: Bounds, interval_s: float, raw_prompt: bool) -> Replicas:
+    """What the planner would have running already: its recommendation for the first
+    interval's load, observed in a short pilot run with room to spare."""
+    pilot = [r for r in requests if r.arrival < interval_s]
+    _, cluster = simulate(profile, pilot, policy, bounds.prefill_max, bounds.decode_max)
+    load = observe(cluster, 0.0, interval_s, raw_prompt)
+    return recommend(load, profile.prefill, profile.decode,
+                     PlannerTargets(targets.ttft_p90_s, targets.itl_p90_s), bounds).replicas
+
+
+def planner_run(profile: Profile, requests: Sequence[Request], policy: str, targets: Targets,
+                bounds: Bounds, interval_s: float = 60.0, scale_down_window_s: float = 300.0,
+                raw_prompt: bool = False) -> tuple[Run, list[Decision]]:
+    initial = warm_start(profile, requests, policy, targets, bounds, interval_s, raw_prompt)
+    planner = planner_for(profile, targets, bounds, scale_down_window_s)
+    cluster = Cluster(profile, policy, requests[0].block_tokens if requests else 512)
+    summary, decisions = simulate_autoscaled(cluster, requests, planner, initial, interval_s,
+                                             targets, raw_prompt)
+    span = summary.makespan / 3600 or 1.0
+    label = "planner (raw prompt tokens)" if raw_prompt else "planner"
+    return Run(label, summary, summary.instance_hours / span), decisions

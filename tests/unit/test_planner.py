@@ -1,0 +1,108 @@
+"""The planner's decisions as pure functions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from disagg_operator.performance import DecodeModel, PrefillModel
+from disagg_operator.planner import (
+    Bounds,
+    Load,
+    Planner,
+    Replicas,
+    Targets,
+    recommend,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+PREFILL = PrefillModel(base_s=0.038, per_token_s=4.8e-5, per_token_context_s=1e-9)
+DECODE = DecodeModel(base_s=0.018, per_sequence_s=1.25e-4, per_context_token_s=1.2e-8,
+                     kv_capacity_tokens=500_000)
+TARGETS = Targets(ttft_p90_s=2.0, itl_p90_s=0.05)
+
+loads = st.builds(
+    Load,
+    requests_per_s=st.floats(0.01, 50),
+    uncached_tokens_per_s=st.floats(0, 400_000),
+    cached_tokens_mean=st.floats(0, 20_000),
+    prompt_tokens_mean=st.floats(100, 30_000),
+    output_tokens_mean=st.floats(1, 2_000),
+)
+bounds = st.builds(
+    lambda pmin, pspan, dmin, dspan, band: Bounds(
+        pmin, pmin + pspan, dmin, dmin + dspan,
+        *((band[0], band[0] + band[1]) if band else (None, None))),
+    st.integers(0, 4), st.integers(0, 20), st.integers(0, 4), st.integers(0, 20),
+    st.none() | st.tuples(st.floats(0.25, 2), st.floats(0, 2)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads, st.floats(1.01, 4))
+def test_more_load_never_needs_fewer_instances(load: Load, factor: float) -> None:
+    heavier = dataclasses.replace(load, requests_per_s=load.requests_per_s * factor,
+                                  uncached_tokens_per_s=load.uncached_tokens_per_s * factor)
+    base = recommend(load, PREFILL, DECODE, TARGETS, Bounds(0, 1000, 0, 1000))
+    more = recommend(heavier, PREFILL, DECODE, TARGETS, Bounds(0, 1000, 0, 1000))
+    assert more.prefill_need >= base.prefill_need * (1 - 1e-9)
+    assert more.decode_need >= base.decode_need * (1 - 1e-9)
+    assert more.replicas.prefill >= base.replicas.prefill
+    assert more.replicas.decode >= base.replicas.decode
+
+
+@settings(max_examples=300, deadline=None)
+@given(loads, bounds)
+def test_replicas_stay_within_their_bounds_and_the_ratio_band(load: Load, limit: Bounds) -> None:
+    replicas = recommend(load, PREFILL, DECODE, TARGETS, limit).replicas
+    assert limit.prefill_min <= replicas.prefill <= limit.prefill_max
+    assert limit.decode_min <= replicas.decode <= limit.decode_max
+    # The band holds unless a bound forbids it (the bounds win).
+    if limit.ratio_min is not None and replicas.prefill < limit.ratio_min * replicas.decode - 1e-9:
+        assert replicas.prefill == limit.prefill_max
+    if limit.ratio_max is not None and replicas.prefill > limit.ratio_max * replicas.decode + 1e-9:
+        assert replicas.decode == limit.decode_max
+
+
+@settings(max_examples=100, deadline=None)
+@given(loads, st.integers(1, 12), st.integers(1, 12))
+def test_a_constant_load_settles_and_never_flaps(load: Load, prefill: int, decode: int) -> None:
+    planner = Planner(PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64), scale_down_window_s=300)
+    current = Replicas(prefill, decode)
+    seen = []
+    for minute in range(30):
+        current = planner.decide(60.0 * minute, load, current).replicas
+        seen.append(current)
+    settled = seen[-1]
+    assert seen[-10:] == [settled] * 10
+    # Once it moves towards the target it never turns back.
+    for role in ("prefill", "decode"):
+        counts = [getattr(r, role) for r in seen]
+        steps = [b - a for a, b in zip(counts, counts[1:], strict=False) if b != a]
+        assert all(s > 0 for s in steps) or all(s < 0 for s in steps)
+
+
+def test_uncached_tokens_size_prefill_and_measured_latency_corrects_it() -> None:
+    load = Load(requests_per_s=3.4, uncached_tokens_per_s=26_000, cached_tokens_mean=4_000,
+                prompt_tokens_mean=12_000, output_tokens_mean=350)
+    raw = dataclasses.replace(load, uncached_tokens_per_s=41_000, cached_tokens_mean=0)
+    cached = recommend(load, PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64))
+    uncached = recommend(raw, PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64))
+    assert cached.replicas.prefill < uncached.replicas.prefill
+    assert "uncached tokens/s" in cached.reason
+    slow = recommend(dataclasses.replace(load, ttft_p90_s=3.0), PREFILL, DECODE, TARGETS,
+                     Bounds(1, 64, 1, 64))
+    assert slow.prefill_need == cached.prefill_need * 1.5
+    assert slow.decode_need == cached.decode_need
+
+
+def test_scale_down_waits_for_the_window_and_steps_one_at_a_time() -> None:
+    planner = Planner(PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64), scale_down_window_s=300)
+    busy = Load(requests_per_s=3.4, uncached_tokens_per_s=60_000, cached_tokens_mean=0,
+                prompt_tokens_mean=12_000, output_tokens_mean=350)
+    quiet = dataclasses.replace(busy, requests_per_s=0.5, uncached_tokens_per_s=5_000)
+    high = planner.decide(0, busy, Replicas(1, 1)).replicas
+    assert high.prefill > 2  # up at once
+    counts = [planner.decide(60.0 * m, quiet, high).replicas.prefill for m in range(1, 5)]
+    assert counts == [high.prefill] * 4  # the busy minute is still in the window
+    after = planner.decide(360, quiet, high).replicas.prefill
+    assert after == high.prefill - 1
