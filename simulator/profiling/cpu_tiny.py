@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import yaml
+from fitting import fit  # beside this script
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFILL_LENGTHS = [32, 128, 256, 512, 768]
@@ -86,14 +86,6 @@ async def measure(prefill: str, decode: str, proxy: str, model: str, vocab: int
     return {"prefill": prefill_points, "decode": decode_points, "proxy": proxy_points}
 
 
-def fit(rows: list[list[float]], times: list[float]) -> tuple[list[float], float]:
-    weights = 1 / np.array(times)
-    coefficients, *_ = np.linalg.lstsq(np.array(rows) * weights[:, None],
-                                       np.array(times) * weights, rcond=None)
-    kept = [max(0.0, float(c)) for c in coefficients]
-    error = max(abs(float(np.dot(row, kept)) - t) / t for row, t in zip(rows, times, strict=True))
-    return kept, error
-
 
 def main() -> None:
     if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
@@ -144,7 +136,7 @@ def main() -> None:
         "prefill": {"base_s": p_base, "per_token_s": p_token, "per_token_context_s": p_context,
                     "max_batched_tokens": 2048, "gpus": 1},
         "decode": {"base_s": d_base, "per_sequence_s": d_seq, "per_context_token_s": d_ctx,
-                   "max_sequences": 256, "kv_capacity_tokens": 1_000_000, "gpus": 1},
+                   "max_sequences": 128, "kv_capacity_tokens": 1_000_000, "gpus": 1},
         "transfer": {"bytes_per_token": bytes_per_token,
                      "bandwidth_bytes_per_s": bytes_per_token / max(t_per_token, 1e-9),
                      "latency_s": t_latency},
@@ -168,6 +160,9 @@ def main() -> None:
                         f"(fit error up to {t_error:.1%})",
             "transfer.bytes_per_token": "the tiny model's layers x (kv_lora_rank + rope) x 2",
             "prefill.max_batched_tokens": "vLLM CPU default max_num_batched_tokens (2048)",
+            "decode.max_sequences": "vLLM CPU default max_num_seqs for the API server (128)",
+            "decode.kv_capacity_tokens": "assumption: more than the replays use (the tiny "
+                                         "model's KV is small)",
             "store_capacity_bytes": "the example's globalSegmentSize (256 MiB) x 3 instances",
             "engine_prefix_cache": "vLLM's CPU build turns prefix caching off for MLA",
             "startup_s": f"{measured}: the 1P2D deployment's start, all processes",

@@ -17,8 +17,8 @@ import subprocess
 import sys
 from importlib.metadata import version
 
-import numpy as np
 import yaml
+from fitting import fit  # beside this script
 
 MODEL, SYSTEM, BACKEND, DB = "deepseek-ai/DeepSeek-V3", "h200_sxm", "vllm", "0.24.0"
 PARALLEL = ["--tp-size", "8", "--moe-ep-size", "8", "--moe-tp-size", "1"]
@@ -42,16 +42,6 @@ def estimate(mode: str, isl: int, osl: int, batch: int) -> float:
         raise RuntimeError(f"no {label} in aiconfigurator's output:\n{out}")
     return float(found.group(1).replace(",", "")) / 1000
 
-
-def fit(rows: list[list[float]], times: list[float]) -> tuple[list[float], float]:
-    """Least squares on relative error (each point weighted by 1/time, so short steps count
-    as much as long ones), and the largest relative error of the fit."""
-    weights = 1 / np.array(times)
-    coefficients, *_ = np.linalg.lstsq(np.array(rows) * weights[:, None],
-                                       np.array(times) * weights, rcond=None)
-    kept = [max(0.0, float(c)) for c in coefficients]
-    error = max(abs(float(np.dot(row, kept)) - t) / t for row, t in zip(rows, times, strict=True))
-    return kept, error
 
 
 def main() -> None:

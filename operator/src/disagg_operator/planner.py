@@ -6,9 +6,11 @@ Prefill is sized on *uncached* prompt tokens per second (what the store and the 
 prefix caches do not already hold), decode on concurrent sequences and their context:
 
 - prefill: each instance serves `mu` tokens/s when saturated. A queue in front of it adds, at
-  utilisation rho, a wait of about rho / (2 (1 - rho)) mean services (M/D/1), and its 90th
-  percentile about 2.3 times that; the largest rho whose prefill time plus that wait fits the
-  TTFT target sets the replicas: demand / (mu * rho).
+  utilisation rho, a mean wait of rho / (1 - rho) * (1 + cv2) / 2 mean services (M/G/1,
+  cv2 the squared coefficient of variation of prompt lengths), and its 90th percentile about
+  2.3 times that; the largest rho whose p90 prompt's prefill time plus that wait fits the
+  TTFT target sets the replicas: demand / (mu * rho), the demand counting a backlog of
+  queued prompt tokens to be worked off within BACKLOG_DRAIN_S.
 - decode: the largest batch whose step fits the ITL target (and the KV space) sets how many
   sequences one instance holds; Little's law gives the concurrent sequences. The KV tokens
   running and queued sequences want, over the instances' KV space kept KV_HEADROOM full,
@@ -30,6 +32,9 @@ from disagg_operator.performance import DecodeModel, PrefillModel
 P90_OF_MEAN = 2.3
 MAX_UTILISATION = 0.95
 MAX_CORRECTION = 1.5
+MAX_CV2 = 1.0
+# A prefill backlog is sized to be worked off within this long, on top of the arrivals.
+BACKLOG_DRAIN_S = 120.0
 # Decode KV space is filled to at most this share: prompt lengths vary (one long prompt can
 # take a tenth of an instance), and a full instance queues the next sequence.
 KV_HEADROOM = 0.7
@@ -48,6 +53,13 @@ class Load:
     # KV tokens decode instances hold or wait to hold (running plus queued sequences' prompt
     # and output), summed over instances: vLLM's KV usage times capacity, plus the queue.
     kv_tokens_demand: float | None = None
+    # The spread of uncached prompt lengths: their 90th percentile, and the squared
+    # coefficient of variation (1 for exponential lengths; the trace's is above 1).
+    uncached_tokens_p90: float | None = None
+    uncached_tokens_cv2: float = 1.0
+    # Prompt tokens routed to prefill instances and not computed yet, now (the proxy's
+    # queued-work gauge): a backlog the arrival rate alone does not show.
+    queued_uncached_tokens: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -81,19 +93,26 @@ class Recommendation:
 
 
 def prefill_need(load: Load, model: PrefillModel, ttft_target: float) -> tuple[float, str]:
-    if load.uncached_tokens_per_s <= 0:
+    if load.uncached_tokens_per_s <= 0 and load.queued_uncached_tokens <= 0:
         return 0.0, "no prefill work"
     uncached_mean = load.uncached_tokens_per_s / max(load.requests_per_s, 1e-9)
     service = model.prompt_seconds(uncached_mean, load.cached_tokens_mean)
+    slow = model.prompt_seconds(max(uncached_mean, load.uncached_tokens_p90 or 0.0),
+                                load.cached_tokens_mean)
     note = ""
-    if service >= ttft_target:
-        rho, note = 0.5, (f"; a mean prompt alone takes {service:.2f}s, over the TTFT target "
+    if slow >= ttft_target:
+        rho, note = 0.5, (f"; a p90 prompt alone takes {slow:.2f}s, over the TTFT target "
                           f"{ttft_target:g}s")
     else:
-        headroom = 2 * (ttft_target - service) / (P90_OF_MEAN * service)
+        # Pollaczek-Khinchine: mean wait = rho / (1 - rho) * service * (1 + cv2) / 2.
+        spread = (1 + min(load.uncached_tokens_cv2, MAX_CV2)) / 2
+        headroom = (ttft_target - slow) / (P90_OF_MEAN * service * spread)
         rho = min(MAX_UTILISATION, headroom / (1 + headroom))
     capacity = model.tokens_per_second(load.cached_tokens_mean) * rho
-    need = load.uncached_tokens_per_s / capacity
+    backlog = load.queued_uncached_tokens / BACKLOG_DRAIN_S
+    need = (load.uncached_tokens_per_s + backlog) / capacity
+    if backlog > 0.1 * load.uncached_tokens_per_s:
+        note += f"; {load.queued_uncached_tokens:.0f} queued tokens to work off"
     return need, (f"{load.uncached_tokens_per_s:.0f} uncached tokens/s over "
                   f"{capacity:.0f} per instance at {rho:.0%} busy{note}")
 

@@ -8,11 +8,14 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from disagg_operator.planner import Load, Planner, Recommendation, Replicas
+from disagg_operator.planner import Load, Planner, Recommendation, Replicas, Targets
 
 from disagg_sim.cluster import Cluster
-from disagg_sim.simulate import Summary, Targets, percentile, summarise
+from disagg_sim.simulate import Summary, percentile, summarise
 from disagg_sim.trace import Request
+
+SAMPLE_S = 5.0
+LATENCY_WINDOW_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -22,22 +25,33 @@ class Decision:
     recommendation: Recommendation
 
 
-def observe(cluster: Cluster, since: float, now: float, raw_prompt: bool) -> Load:
+def observe(cluster: Cluster, since: float, now: float, raw_prompt: bool,
+            kv_demand: float | None = None, latency_window_s: float = LATENCY_WINDOW_S
+            ) -> Load:
     """The interval's load as the proxy's and engines' metrics give it. `raw_prompt` sizes
-    on every prompt token, as a planner that ignores caches would."""
+    on every prompt token, as a planner that ignores caches would; `kv_demand` is the
+    interval's mean (default: now)."""
+    if kv_demand is None:
+        kv_demand = kv_demand_now(cluster)
     window = max(now - since, 1e-9)
     arrived = [o for o in cluster.outcomes if since <= o.request.arrival < now]
     prefilled = [o for o in arrived if o.route == "prefill"]
     if raw_prompt:
-        uncached = sum(o.request.prompt_tokens for o in arrived)
+        lengths = [o.request.prompt_tokens for o in arrived]
         cached_mean = 0.0
     else:
-        uncached = sum(o.computed_tokens for o in prefilled)
+        lengths = [o.computed_tokens for o in prefilled]
         cached_mean = statistics.fmean(o.request.prompt_tokens - o.computed_tokens
                                        for o in prefilled) if prefilled else 0.0
+    uncached = sum(lengths)
+    mean = statistics.fmean(lengths) if lengths else 0.0
+    cv2 = statistics.pvariance(lengths) / mean ** 2 if len(lengths) > 1 and mean else 1.0
+    # Latencies over a longer window: one minute's p90 swings with a few long prompts, and
+    # the planner's correction should follow the trend, not that noise.
+    recent = now - max(latency_window_s, now - since)
     first = [o.ttft for o in cluster.outcomes
-             if o.first_token is not None and since <= o.first_token < now]
-    done = [o.itl for o in cluster.outcomes if o.finish is not None and since <= o.finish < now
+             if o.first_token is not None and recent <= o.first_token < now]
+    done = [o.itl for o in cluster.outcomes if o.finish is not None and recent <= o.finish < now
             and o.request.output_tokens > 1]
     return Load(
         requests_per_s=len(arrived) / window, uncached_tokens_per_s=uncached / window,
@@ -48,8 +62,17 @@ def observe(cluster: Cluster, since: float, now: float, raw_prompt: bool) -> Loa
         if arrived else 0.0,
         ttft_p90_s=percentile(first, 0.9) if first else None,
         itl_p90_s=percentile(done, 0.9) if done else None,
-        kv_tokens_demand=sum(d.reserved_tokens + sum(s.reserved_tokens for s in d.waiting)
-                             for d in cluster.decodes))
+        kv_tokens_demand=kv_demand,
+        uncached_tokens_p90=percentile(lengths, 0.9) if lengths else None,
+        uncached_tokens_cv2=cv2,
+        queued_uncached_tokens=0.0 if raw_prompt else float(
+            sum(p.expected_tokens for p in cluster.prefills)))
+
+
+def kv_demand_now(cluster: Cluster) -> float:
+    """KV tokens decode instances hold or queue for (vLLM: KV usage x capacity + queue)."""
+    return sum(d.reserved_tokens + sum(s.reserved_tokens for s in d.waiting)
+               for d in cluster.decodes)
 
 
 def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: Planner,
@@ -62,10 +85,18 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
     last_arrival = max((r.arrival for r in requests), default=0.0)
     decisions: list[Decision] = []
     startup = cluster.profile.startup_s
+    samples: list[float] = []  # KV demand every SAMPLE_S, as a metrics scrape would see it
+
+    def sample() -> None:
+        samples.append(kv_demand_now(cluster))
+        if cluster.loop.now < last_arrival or any(o.finish is None for o in cluster.outcomes):
+            cluster.loop.at(cluster.loop.now + SAMPLE_S, sample)
 
     def tick() -> None:
         now = cluster.loop.now
-        load = observe(cluster, now - interval_s, now, raw_prompt)
+        load = observe(cluster, now - interval_s, now, raw_prompt,
+                       percentile(samples, 0.9) if samples else None)
+        samples.clear()
         if load.requests_per_s > 0:
             current = Replicas(cluster.provisioned("prefill"), cluster.provisioned("decode"))
             decided = planner.decide(now, load, current)
@@ -81,6 +112,7 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
             cluster.loop.at(now + interval_s, tick)
 
     cluster.loop.at(interval_s, tick)
+    cluster.loop.at(SAMPLE_S, sample)
     cluster.loop.run()
     cluster.finish_accounting()
     return summarise(cluster, initial.prefill, initial.decode, targets), decisions

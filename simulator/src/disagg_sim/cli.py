@@ -12,9 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+from disagg_operator.planner import Targets
+
 from disagg_sim.cluster import POLICIES
 from disagg_sim.profile import load_profile
-from disagg_sim.simulate import HEADER, Targets, simulate
+from disagg_sim.simulate import HEADER, simulate
 from disagg_sim.trace import (
     TRACE_BLOCK,
     apply_rate_steps,

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from disagg_operator.planner import Bounds, Planner, Replicas, recommend
-from disagg_operator.planner import Targets as PlannerTargets
+from disagg_operator.planner import Bounds, Planner, Replicas, Targets, recommend
 
 from disagg_sim.autoscale import Decision, observe, simulate_autoscaled
 from disagg_sim.cluster import Cluster
 from disagg_sim.profile import Profile
-from disagg_sim.simulate import Summary, Targets, simulate
+from disagg_sim.simulate import Summary, simulate
 from disagg_sim.trace import Request
 
 
@@ -53,7 +52,7 @@ def best_static(runs: Sequence[Run], targets: Targets) -> Run | None:
 def planner_for(profile: Profile, targets: Targets, bounds: Bounds,
                 scale_down_window_s: float) -> Planner:
     return Planner(profile.prefill, profile.decode,
-                   PlannerTargets(targets.ttft_p90_s, targets.itl_p90_s), bounds,
+                   targets, bounds,
                    scale_down_window_s=scale_down_window_s)
 
 
@@ -65,11 +64,11 @@ def warm_start(profile: Profile, requests: Sequence[Request], policy: str, targe
     _, cluster = simulate(profile, pilot, policy, bounds.prefill_max, bounds.decode_max)
     load = observe(cluster, 0.0, interval_s, raw_prompt)
     return recommend(load, profile.prefill, profile.decode,
-                     PlannerTargets(targets.ttft_p90_s, targets.itl_p90_s), bounds).replicas
+                     targets, bounds).replicas
 
 
 def planner_run(profile: Profile, requests: Sequence[Request], policy: str, targets: Targets,
-                bounds: Bounds, interval_s: float = 60.0, scale_down_window_s: float = 300.0,
+                bounds: Bounds, interval_s: float = 180.0, scale_down_window_s: float = 360.0,
                 raw_prompt: bool = False) -> tuple[Run, list[Decision]]:
     initial = warm_start(profile, requests, policy, targets, bounds, interval_s, raw_prompt)
     planner = planner_for(profile, targets, bounds, scale_down_window_s)

@@ -6,15 +6,11 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from disagg_operator.planner import Targets
+
 from disagg_sim.cluster import Cluster, Outcome
 from disagg_sim.profile import Profile
 from disagg_sim.trace import Request
-
-
-@dataclass(frozen=True)
-class Targets:
-    ttft_p90_s: float
-    itl_p90_s: float
 
 
 @dataclass(frozen=True)
