@@ -17,6 +17,7 @@ import yaml
 from disagg_operator.plan import ClusterAddressing, Plan, Process, build_plan
 from disagg_operator.spec import parse_spec
 from kvhelper.connector.settings import ConnectorSettings
+from kvhelper.drain import parse_args as drain_args
 from kvhelper.proxy.__main__ import parse_args as proxy_args
 from kvhelper.registry import parse_args as registrar_args
 from kvhelper.store import MooncakeConfig
@@ -41,7 +42,9 @@ def plan_of(example: Path) -> Plan:
 
 
 def processes(plan: Plan) -> list[Process]:
-    return [p for c in plan.components for p in (c.main, *c.sidecars)]
+    """Every process, and every hook command as a process of its own."""
+    found = [p for c in plan.components for p in (c.main, *c.sidecars)]
+    return found + [Process(f"{p.name}-pre-stop", p.pre_stop) for p in found if p.pre_stop]
 
 
 def module_args(process: Process, module: str) -> list[str] | None:
@@ -61,6 +64,9 @@ def test_rendered_command_lines_parse_with_kvhelpers_own_parsers(example: Path) 
         elif (args := module_args(process, "kvhelper.registry")) is not None:
             registrar_args(args)
             seen.add("registrar")
+        elif (args := module_args(process, "kvhelper.drain")) is not None:
+            drain_args(args)
+            seen.add("drain")
         elif (args := module_args(process, "vllm.entrypoints.openai.api_server")) is not None:
             config = json.loads(args[args.index("--kv-transfer-config") + 1])
             if "kv_connector_module_path" in config:
@@ -68,7 +74,7 @@ def test_rendered_command_lines_parse_with_kvhelpers_own_parsers(example: Path) 
                 assert hasattr(module, config["kv_connector"]), config
                 ConnectorSettings.parse(config.get("kv_connector_extra_config"))
                 seen.add("connector")
-    assert {"proxy", "registrar"} <= seen
+    assert {"proxy", "registrar", "drain"} <= seen
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)

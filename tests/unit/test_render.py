@@ -182,3 +182,23 @@ def test_decode_saving_is_set_on_decode_only() -> None:
         "save_decode_cache"] is True
     assert "save_decode_cache" not in plan.kv_transfer_config(
         "prefill", spec)["kv_connector_extra_config"]
+
+
+def test_leaving_vllm_instances_drain_within_their_roles_grace_period() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "deepseek-v2-lite-1p2d.yaml").read_text())
+    doc["spec"]["decode"]["terminationGracePeriodSeconds"] = 900
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"]
+            for o in render(Owner("x", "default", "uid-0"), parse_spec(doc["spec"]), "img:1")
+            if o["kind"] == "Deployment"}
+    for name, grace in (("x-prefill", 300), ("x-decode", 900)):
+        pod = pods[name]
+        assert pod["terminationGracePeriodSeconds"] == grace
+        vllm, registrar = pod["containers"]
+        hook = vllm["lifecycle"]["preStop"]["exec"]["command"]
+        assert hook[1:3] == ["-m", "kvhelper.drain"]
+        assert float(hook[hook.index("--timeout") + 1]) < grace
+        # The registrar has no hook: it gets SIGTERM at once and withdraws the instance.
+        assert "lifecycle" not in registrar
+    assert "terminationGracePeriodSeconds" not in pods["x-proxy"]
+    with pytest.raises(InvalidSpecError, match="terminationGracePeriodSeconds"):
+        parse_spec({**doc["spec"], "prefill": {"terminationGracePeriodSeconds": 5}})

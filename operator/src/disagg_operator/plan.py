@@ -91,6 +91,8 @@ class Process:
     env: tuple[tuple[str, EnvValue], ...] = ()
     ports: tuple[tuple[str, int], ...] = ()
     health_path: str | None = None  # HTTP readiness path on the first port; None: TCP check
+    # Run before the process is stopped (a preStop hook in Kubernetes): its graceful drain.
+    pre_stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class Component:
     model_cache: ModelCache | None = None  # vLLM roles
     storage_size: str | int | None = None  # etcd's data volume claim; None: an emptyDir
     annotations: tuple[tuple[str, str], ...] = ()  # on its pods
+    stop_grace_seconds: int | None = None  # from SIGTERM (or pre_stop) to SIGKILL
 
 
 @dataclass(frozen=True)
@@ -326,8 +329,10 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
     if spec.vllm_api_key_secret is not None:
         env.append(("VLLM_API_KEY",
                     SecretKey.of(spec.vllm_api_key_secret, "spec.vllmApiKeySecret")))
+    grace = role_spec.termination_grace_period_seconds
     main = Process(name="vllm", command=vllm_args(role, spec), env=tuple(env),
-                   ports=(("http", VLLM_PORT),), health_path="/health")
+                   ports=(("http", VLLM_PORT),), health_path="/health",
+                   pre_stop=drain_command(grace))
     registrar = Process(
         name="registrar",
         command=(
@@ -351,7 +356,14 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
                                        == "rdma" else ()),
                      model_cache=ModelCache(cache.mount_path, cache.pvc_claim_name,
                                             cache.empty_dir_size_limit),
-                     annotations=((ANNOTATION_COMPAT, compat),))
+                     annotations=((ANNOTATION_COMPAT, compat),), stop_grace_seconds=grace)
+
+
+def drain_command(grace_seconds: int) -> tuple[str, ...]:
+    """vLLM's preStop: wait until it has had no request for a few seconds (the registrar has
+    withdrawn it from the proxy by then), leaving 10 s of the grace period for vLLM to stop."""
+    return ("python3", "-m", "kvhelper.drain", "--url", f"http://127.0.0.1:{VLLM_PORT}",
+            "--quiet", "5", "--timeout", str(max(1, grace_seconds - 10)))
 
 
 def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],

@@ -156,6 +156,8 @@ def _container(process: plans.Process, image: str, pull_policy: str,
     if process.ports:
         container["ports"] = [{"name": n, "containerPort": p, "protocol": "TCP"}
                               for n, p in process.ports]
+    if process.pre_stop:
+        container["lifecycle"] = {"preStop": {"exec": {"command": list(process.pre_stop)}}}
     return container
 
 
@@ -215,6 +217,8 @@ def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": containers,
     }
+    if component.stop_grace_seconds is not None:
+        pod_spec["terminationGracePeriodSeconds"] = component.stop_grace_seconds
     if volumes:
         pod_spec["volumes"] = volumes
     if plan.image_pull_secrets:

@@ -216,6 +216,11 @@ class RoleSpec(_Model):
     affinity: dict[str, Any] | None = _passthrough("Pod affinity.", _K8S_OBJECT)
     env: list[dict[str, Any]] | None = _passthrough("Extra container env vars.", _K8S_LIST)
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM CLI arguments.")
+    termination_grace_period_seconds: int = Field(
+        default=300, ge=30, le=86400,
+        description="How long a leaving instance may take: it leaves the registry at once, "
+                    "then finishes the requests it has (its preStop waits until it has had "
+                    "none for 5 s, up to this minus 10 s) before vLLM is stopped.")
     pod_template: dict[str, Any] | None = _passthrough(
         "A partial PodTemplateSpec merged over the rendered one (containers merged by name).",
         _K8S_OBJECT)
