@@ -69,6 +69,19 @@ def test_registrar_points_at_its_own_instance() -> None:
     assert found["tiny-decode-1-registrar"].env["POD_NAME"] == "tiny-decode-1"
 
 
+def test_each_instance_drains_itself_with_the_plans_hook() -> None:
+    found = by_name(processes({**SPEC, "decode": {"replicas": 2,
+                                                  "terminationGracePeriodSeconds": 60}}))
+    decode_1 = found["tiny-decode-1"]
+    hook = list(decode_1.pre_stop)
+    assert hook[:3] == ["/venv/bin/python", "-m", "kvhelper.drain"]
+    assert hook[hook.index("--url") + 1] == f"http://127.0.0.1:{decode_1.port}"
+    assert hook[hook.index("--timeout") + 1] == "50" and decode_1.stop_grace == 60
+    assert found["tiny-prefill-0"].stop_grace == 300
+    assert not found["tiny-decode-1-registrar"].pre_stop
+    assert not found["tiny-proxy-0"].pre_stop
+
+
 def test_config_files_and_kv_settings_point_at_the_run_folder() -> None:
     prefill = by_name(processes())["tiny-prefill-0"]
     config = json.loads(prefill.argv[prefill.argv.index("--kv-transfer-config") + 1])

@@ -1,9 +1,10 @@
-"""`disagg-local`: up, down, status and demo."""
+"""`disagg-local`: up, down, status, drain and demo."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,6 +23,8 @@ from disagg_devtools.local.runner import (
     RunFolder,
     StartupError,
     dead_summary,
+    drain_recorded,
+    local_defaults,
     log_tail,
     process_reports,
     stop_recorded,
@@ -159,6 +162,24 @@ def status_cmd(name: str | None, run_dir: Path | None, log_lines: int) -> None:
             click.echo(log_tail(folder.log(report.name), log_lines))
     if any(not r.alive for r in reports):
         sys.exit(1)
+
+
+@local.command("drain")
+@click.argument("name")
+@click.argument("instances", nargs=-1, required=True)
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="default: .disagg-local/NAME")
+def drain_cmd(name: str, instances: tuple[str, ...], run_dir: Path | None) -> None:
+    """Take the vLLM INSTANCES of NAME (e.g. tiny-mla-decode-1) away gracefully, as a
+    scale-down does in Kubernetes: withdrawn from the registry, in-flight requests finished,
+    then stopped."""
+    folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / name)
+    env = {**os.environ, **local_defaults()}
+    for instance in instances:
+        try:
+            drain_recorded(folder, instance, click.echo, env)
+        except StartupError as err:
+            raise click.ClickException(str(err)) from None
 
 
 # A few blocks long: decode loads every full block before the prompt's last token.

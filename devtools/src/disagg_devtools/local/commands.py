@@ -61,6 +61,8 @@ class LocalProcess:
     env: dict[str, str] = field(default_factory=dict)  # on top of the caller's environment
     port: int | None = None  # the main listener, for readiness
     health_path: str | None = None  # None: ready when the port accepts connections
+    pre_stop: tuple[str, ...] = ()  # run before it is stopped: its drain (a preStop hook)
+    stop_grace: float | None = None  # seconds from pre_stop to SIGKILL
 
 
 @dataclass(frozen=True)
@@ -112,13 +114,22 @@ def _local(component: Component, process: Process, instance: str, ports: Mapping
     env.setdefault("POD_NAME", instance)
     env.setdefault("POD_IP", LOOPBACK)
     env = {name: _localise(value, ports, config_dir) for name, value in env.items()}
-    argv = [_localise(_expand(arg, env), ports, config_dir) for arg in process.command]
-    argv[0] = _program(argv[0], programs)
+    argv = _local_argv(process.command, env, ports, config_dir, programs)
     is_main = process is component.main
     name = instance if is_main else f"{instance}-{process.name}"
     main_port = ports.get(process.ports[0][1]) if is_main and process.ports else None
-    return LocalProcess(name=name, role=component.role, argv=tuple(argv), env=env,
-                        port=main_port, health_path=process.health_path if is_main else None)
+    return LocalProcess(name=name, role=component.role, argv=argv, env=env,
+                        port=main_port, health_path=process.health_path if is_main else None,
+                        pre_stop=_local_argv(process.pre_stop, env, ports, config_dir, programs)
+                        if process.pre_stop else (),
+                        stop_grace=component.stop_grace_seconds if is_main else None)
+
+
+def _local_argv(command: tuple[str, ...], env: Mapping[str, str], ports: Mapping[int, int],
+                config_dir: Path, programs: Programs) -> tuple[str, ...]:
+    argv = [_localise(_expand(arg, env), ports, config_dir) for arg in command]
+    argv[0] = _program(argv[0], programs)
+    return tuple(argv)
 
 
 def _env_value(value: EnvValue, instance: str, process: Process,

@@ -175,7 +175,8 @@ class LocalDeployment:
                                        process_group=0)
         self.started.append(Started(spec, process, log))
         _record(self.folder, state, spec.name, process.pid,
-                {"port": spec.port, "health_path": spec.health_path})
+                {"port": spec.port, "health_path": spec.health_path,
+                 "pre_stop": list(spec.pre_stop), "stop_grace": spec.stop_grace})
         self.echo(f"  started {spec.name} (pid {process.pid}"
                   + (f", port {spec.port})" if spec.port else ")"))
 
@@ -234,6 +235,14 @@ class LocalDeployment:
         state = self.folder.read_state()
         self._start(item.spec, env, state)
         await self._wait_ready(deadline=time.monotonic() + timeout)
+
+    async def drain(self, instance: str) -> str:
+        """Take one vLLM instance away as Kubernetes does with a pod: see drain_recorded."""
+        env = {**os.environ, **local_defaults(), **self.extra_env}
+        why = await asyncio.to_thread(drain_recorded, self.folder, instance, self.echo, env)
+        self.started = [i for i in self.started
+                        if i.spec.name not in (instance, f"{instance}-registrar")]
+        return why
 
     async def _wait_registered(self, url: str, expected: int, deadline: float) -> None:
         """The proxy sees every instance through etcd: the registrars did their job."""
@@ -420,6 +429,55 @@ def stop_recorded(folder: RunFolder, echo: Echo, grace: float = 15.0) -> int:
     for name in order:
         echo(f"  stopped {name}")
     return len(order)
+
+
+def drain_recorded(folder: RunFolder, instance: str, echo: Echo,
+                   env: Mapping[str, str]) -> str:
+    """Take a recorded vLLM instance away gracefully, in the order a pod deletion runs: its
+    registrar gets SIGTERM (it withdraws the registration, so the proxy stops sending work),
+    the instance's drain hook waits for its requests to finish, then vLLM gets SIGTERM and,
+    after its grace period, SIGKILL. Returns what the drain hook said."""
+    state = folder.read_state()
+    pids = state.get("pids") or {}
+    hooks = state.get("readiness") or {}
+    assert isinstance(pids, dict) and isinstance(hooks, dict)
+    if instance not in pids:
+        raise StartupError(f"no instance {instance!r} in {folder.root}; recorded: "
+                           f"{', '.join(sorted(pids))}")
+    hook = hooks.get(instance) or {}
+    grace = float(hook.get("stop_grace") or 30.0)
+    registrar = pids.get(f"{instance}-registrar")
+    if registrar is not None:
+        _stop_group(int(registrar), 30.0)
+        echo(f"  {instance}: withdrawn from the registry")
+    why = "no drain hook"
+    if hook.get("pre_stop"):
+        try:
+            done = subprocess.run(list(hook["pre_stop"]), env=dict(env), capture_output=True,
+                                  text=True, timeout=grace)
+            why = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+        except subprocess.TimeoutExpired:
+            why = f"the drain hook ran past the grace period ({grace:g}s)"
+        echo(f"  {instance}: {why}")
+    _stop_group(int(pids[instance]), grace)
+    echo(f"  {instance}: stopped")
+    for name in (instance, f"{instance}-registrar"):
+        pids.pop(name, None)
+        hooks.pop(name, None)
+    folder.write_state(state)
+    return why
+
+
+def _stop_group(pid: int, grace: float) -> None:
+    """SIGTERM a process group, SIGKILL it if it is still there after `grace` seconds."""
+    _signal_group(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _alive(pid) and time.monotonic() < deadline:
+        _reap()
+        time.sleep(0.1)
+    if _alive(pid):
+        _signal_group(pid, signal.SIGKILL)
+    _reap()
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
