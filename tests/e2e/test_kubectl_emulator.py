@@ -139,6 +139,27 @@ async def test_kubectl_scale_writes_the_workloads_replicas(cluster, tmp_path: Pa
     assert scale.stdout == "Scale 3 app=web", scale.stderr
 
 
+async def test_kubectl_scale_on_a_disaggserving_scales_decode(cluster) -> None:
+    """The CRD's scale subresource: kubectl scale (or an HPA aimed at the DisaggServing)
+    writes spec.decode.replicas and reads the decode pods' selector from the status."""
+    emu, env = cluster
+    applied = await kubectl(env, "apply", "-f",
+                            str(ROOT / "examples/deepseek-v2-lite-1p2d.yaml"))
+    assert applied.returncode == 0, applied.stderr
+    key = (kmock.resource("serving.disagg.dev", "v1alpha1", "disaggservings"),
+           "default", "dsv2-lite")
+    emu.objects[key].patch({"status": {"decode": {
+        "replicas": 2, "selector": "app.kubernetes.io/component=decode"}}})
+    scaled = await kubectl(env, "scale", "disaggserving", "dsv2-lite", "--replicas=4")
+    assert scaled.returncode == 0, scaled.stderr
+    got = await kubectl(env, "get", "dsv", "dsv2-lite", "-o",
+                        "jsonpath={.spec.decode.replicas} {.spec.prefill.replicas}")
+    assert got.stdout == "4 1"
+    scale = await kubectl(env, "get", "dsv", "dsv2-lite", "--subresource=scale", "-o",
+                          "jsonpath={.spec.replicas} {.status.replicas} {.status.selector}")
+    assert scale.stdout == "4 2 app.kubernetes.io/component=decode", scale.stderr
+
+
 async def test_kubectl_explain_reads_the_crd_schema(cluster) -> None:
     """InvalidSpec messages point users at `kubectl explain disaggserving.spec`."""
     _, env = cluster

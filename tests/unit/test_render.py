@@ -202,3 +202,18 @@ def test_leaving_vllm_instances_drain_within_their_roles_grace_period() -> None:
     assert "terminationGracePeriodSeconds" not in pods["x-proxy"]
     with pytest.raises(InvalidSpecError, match="terminationGracePeriodSeconds"):
         parse_spec({**doc["spec"], "prefill": {"terminationGracePeriodSeconds": 5}})
+
+
+def test_an_externally_scaled_role_leaves_its_replicas_to_the_scaler() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-mla-1p2d.yaml").read_text())
+    workloads = {
+        mode: {o["metadata"]["name"]: o["spec"] for o in render(
+            Owner("x", "default", "uid-0"),
+            parse_spec({**doc["spec"], "autoscaling": {"mode": mode}}), "img:1")
+            if o["kind"] == "Deployment"}
+        for mode in ("Off", "External")}
+    assert workloads["Off"]["x-decode"]["replicas"] == 2
+    # Not in the applied manifest, so not owned by the operator: an HPA's count stays.
+    assert "replicas" not in workloads["External"]["x-decode"]
+    assert "replicas" not in workloads["External"]["x-prefill"]
+    assert workloads["External"]["x-proxy"]["replicas"] == 1

@@ -1,5 +1,6 @@
 """Status computation from observed children: pure, no cluster."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -50,7 +51,9 @@ def _roles() -> dict[str, str]:
 def test_all_ready_is_ready_and_transition_time_is_kept() -> None:
     first = compute_status(_obs({}), {}, "t1")
     assert condition(first, "Ready")["status"] == "True"
-    assert first["decode"] == {"replicas": 2, "readyReplicas": 2, "summary": "2/2"}
+    assert first["decode"] == {"replicas": 2, "readyReplicas": 2, "summary": "2/2",
+                               "selector": "app.kubernetes.io/component=decode,"
+                                           "app.kubernetes.io/instance=dsv2-lite"}
     again = compute_status(_obs({}), first, "t2")
     assert again == first  # nothing changed: no write needed, times kept
     assert [e.reason for e in transition_events({}, first)] == ["Ready"]
@@ -107,3 +110,31 @@ def test_an_instance_that_keeps_failing_at_start_is_named_with_its_message() -> 
     assert (degraded["status"], degraded["reason"]) == ("True", "InstancesFailing")
     assert "pod dsv2-lite-prefill-abc container vllm exited with code 1" in degraded["message"]
     assert "store_tp_size 6 does not divide the model's 8 KV heads" in degraded["message"]
+
+
+def test_the_planners_decision_is_shown_with_the_instances_now_and_announced() -> None:
+    decided = {"mode": "Planner", "prefill": {"desired": 1}, "decode": {"desired": 2},
+               "reason": "measuring"}
+    first = compute_status(replace(_obs({"decode": 1}), autoscaling=decided), {}, "t1")
+    assert first["autoscaling"]["decode"] == {"desired": 2, "current": 1}
+    grown = {**decided, "decode": {"desired": 3}, "reason": "40 concurrent sequences"}
+    obs = _obs({})
+    second = compute_status(replace(obs, autoscaling=grown), first, "t2")
+    events = transition_events(first, second)
+    assert [(e.reason, e.message) for e in events if e.reason == "Autoscaled"] == [
+        ("Autoscaled", "planner: decode 2 -> 3: 40 concurrent sequences")]
+
+
+def test_an_externally_scaled_role_reports_the_count_its_scaler_set() -> None:
+    obs = _obs({})
+    desired = [{**d, "spec": {k: v for k, v in d["spec"].items() if k != "replicas"}}
+               if d["metadata"]["name"] == "dsv2-lite-decode" else d for d in obs.desired]
+    live = dict(obs.observed)
+    key = ("Deployment", "dsv2-lite-decode")
+    live[key] = {**live[key], "spec": {**live[key]["spec"], "replicas": 5},
+                 "status": {**live[key]["status"], "replicas": 5, "updatedReplicas": 5,
+                            "readyReplicas": 4}}
+    status = compute_status(replace(obs, desired=desired, observed=live,
+                                    autoscaling={"mode": "External"}), {}, "t1")
+    assert status["decode"]["replicas"] == 5
+    assert status["autoscaling"]["decode"] == {"desired": 5, "current": 4}

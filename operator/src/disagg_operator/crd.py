@@ -31,7 +31,38 @@ _ROLE_STATUS: dict[str, Any] = {
         "replicas": {"type": "integer", "description": "Desired instances."},
         "readyReplicas": {"type": "integer", "description": "Instances passing readiness."},
         "summary": {"type": "string", "description": "ready/desired, for printing."},
+        "selector": {"type": "string", "description": "Label selector of the role's pods "
+                     "(the scale subresource's, for HPA)."},
     },
+}
+
+_SCALED_ROLE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "desired": {"type": "integer", "description": "Instances the scaler asks for."},
+        "current": {"type": "integer", "description": "Instances the workload has now."},
+    },
+}
+
+_AUTOSCALING_STATUS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "mode": {"type": "string"},
+        "prefill": _SCALED_ROLE,
+        "decode": _SCALED_ROLE,
+        "reason": {"type": "string", "description": "Why the last decision was made."},
+        "lastDecisionTime": {"type": "string", "format": "date-time"},
+        "load": {"type": "object", "description": "What the last decision saw.",
+                 "additionalProperties": {"type": "number"}},
+    },
+}
+
+# `kubectl scale disaggserving NAME --replicas N` (and an HPA aimed at the DisaggServing)
+# scales decode, the role that holds running sequences; each role's Deployment has its own.
+SCALE_SUBRESOURCE: dict[str, str] = {
+    "specReplicasPath": ".spec.decode.replicas",
+    "statusReplicasPath": ".status.decode.replicas",
+    "labelSelectorPath": ".status.decode.selector",
 }
 
 STATUS_SCHEMA: dict[str, Any] = {
@@ -42,6 +73,7 @@ STATUS_SCHEMA: dict[str, Any] = {
         "decode": _ROLE_STATUS,
         "proxy": _ROLE_STATUS,
         "endpoint": {"type": "string", "description": "In-cluster URL of the proxy."},
+        "autoscaling": _AUTOSCALING_STATUS,
         "etcd": {
             "type": "object",
             "properties": {
@@ -176,7 +208,7 @@ def build_crd() -> dict[str, Any]:
                 "name": specs.VERSION,
                 "served": True,
                 "storage": True,
-                "subresources": {"status": {}},
+                "subresources": {"status": {}, "scale": SCALE_SUBRESOURCE},
                 "additionalPrinterColumns": PRINTER_COLUMNS,
                 "schema": {"openAPIV3Schema": {
                     "type": "object",

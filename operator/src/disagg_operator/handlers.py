@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +21,11 @@ from prometheus_client import start_http_server
 
 from disagg_operator import metrics
 from disagg_operator.association import LABEL_MANAGED_BY, MANAGED_BY
+from disagg_operator.autoscaler import Autoscaler
 from disagg_operator.etcd_health import EtcdHealthChecker
 from disagg_operator.kube import ApiFailure, LightkubeApi
-from disagg_operator.reconcile import Reconciler
+from disagg_operator.metrics_scrape import PodMetricsScraper
+from disagg_operator.reconcile import Reconciler, utcnow
 from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
 
 FINALIZER = f"{GROUP}/finalizer"
@@ -40,6 +43,8 @@ class OperatorConfig:
     etcd_address_overrides: Mapping[str, str] = field(default_factory=dict)
     etcd_health_ttl_seconds: float = 10.0
     metrics_port: int | None = None
+    # Pod host:port -> host:port for the planner's metrics scrapes (tests: loopback servers).
+    metrics_address_overrides: Mapping[str, str] = field(default_factory=dict)
 
 
 class WakeBoard:
@@ -89,7 +94,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
                           address_overrides=config.etcd_address_overrides),
         default_image=config.default_image, cluster_domain=config.cluster_domain,
         resync_seconds=config.resync_seconds,
-        not_ready_resync_seconds=config.not_ready_resync_seconds)
+        not_ready_resync_seconds=config.not_ready_resync_seconds,
+        autoscaler=Autoscaler(
+            PodMetricsScraper(address_overrides=config.metrics_address_overrides),
+            time.monotonic, utcnow))
     memo.context = OperatorContext(config, client, reconciler, WakeBoard())
     if config.metrics_port is not None:
         start_http_server(config.metrics_port)

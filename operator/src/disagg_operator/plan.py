@@ -124,6 +124,9 @@ class Component:
     storage_size: str | int | None = None  # etcd's data volume claim; None: an emptyDir
     annotations: tuple[tuple[str, str], ...] = ()  # on its pods
     stop_grace_seconds: int | None = None  # from SIGTERM (or pre_stop) to SIGKILL
+    # Its instance count is set by an external scaler (HPA, KEDA) through the workload's
+    # /scale; `replicas` is then only where a runner without one starts.
+    scaled_externally: bool = False
 
 
 @dataclass(frozen=True)
@@ -350,6 +353,7 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
     cache = spec.model.cache
     compat = ",".join(f"{k}={v}" for k, v in compatibility_labels(spec).items())
     return Component(role=role, replicas=role_spec.replicas, main=main,
+                     scaled_externally=spec.autoscaling.mode == "External",
                      sidecars=(registrar,), role_spec=role_spec,
                      reads_config=spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE,
                      add_capabilities=(("IPC_LOCK",) if spec.kv_transfer.mooncake.protocol

@@ -175,6 +175,10 @@ class Stabiliser:
     step: int = 1
     _history: deque[tuple[float, int]] = field(default_factory=deque)
 
+    def seed(self, now: float, count: int) -> None:
+        """Count `count` as recommended at `now` (a driver that restarts with a decision)."""
+        self._history.append((now, count))
+
     def settle(self, now: float, recommended: int, current: int) -> int:
         self._history.append((now, recommended))
         while self._history and self._history[0][0] < now - self.window_s:
@@ -198,6 +202,9 @@ class Planner:
     def __post_init__(self) -> None:
         self._stabilisers = {role: Stabiliser(self.scale_down_window_s, self.scale_down_step)
                              for role in ("prefill", "decode")}
+
+    def seed(self, now: float, role: str, count: int) -> None:
+        self._stabilisers[role].seed(now, count)
 
     def decide(self, now: float, load: Load, current: Replicas) -> Recommendation:
         raw = recommend(load, self.prefill, self.decode, self.targets, self.bounds)

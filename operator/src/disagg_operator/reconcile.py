@@ -19,6 +19,7 @@ from typing import Any
 
 from disagg_operator import metrics
 from disagg_operator.association import PROXY, Owner, child_name, name_problem
+from disagg_operator.autoscaler import Autoscaler, with_replicas
 from disagg_operator.etcd_health import EtcdHealthChecker
 from disagg_operator.kube import ApiFailure, ChildKey, ClusterApi
 from disagg_operator.plan import ClusterAddressing, Plan, build_plan
@@ -36,7 +37,7 @@ from disagg_operator.status import (
 ANNOTATION_APPLIED_HASH = "serving.disagg.dev/applied-hash"
 
 
-def _utcnow() -> str:
+def utcnow() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
@@ -131,9 +132,14 @@ class WrittenStatus:
 class Reconciler:
     def __init__(self, api: ClusterApi, etcd: EtcdHealthChecker, default_image: str,
                  cluster_domain: str = "cluster.local",
-                 clock: Callable[[], str] = _utcnow, resync_seconds: float = 60.0,
-                 not_ready_resync_seconds: float = 10.0) -> None:
+                 clock: Callable[[], str] = utcnow, resync_seconds: float = 60.0,
+                 not_ready_resync_seconds: float = 10.0,
+                 autoscaler: Autoscaler | None = None) -> None:
         self.api = api
+        if autoscaler is None:
+            from disagg_operator.metrics_scrape import PodMetricsScraper
+            autoscaler = Autoscaler(PodMetricsScraper(), time.monotonic, clock)
+        self.autoscaler = autoscaler
         # A Ready DisaggServing is looked at again after resync_seconds; one that is not (an
         # etcd that may come back, pods still starting) sooner.
         self.resync_seconds = resync_seconds
@@ -147,6 +153,7 @@ class Reconciler:
     def forget(self, uid: str) -> None:
         """The object is gone (or no longer this process's to reconcile)."""
         self._written.pop(uid, None)
+        self.autoscaler.forget(uid)
 
     async def reconcile(self, body: Mapping[str, Any]) -> ReconcileResult:
         meta = body["metadata"]
@@ -178,19 +185,24 @@ class Reconciler:
             result = ReconcileResult(status=status, error=str(err))
             return await self._finish(owner, seen, previous, result)
 
+        apply_error: str | None = None
+        pods: list[Manifest] = []
+        try:
+            pods = await self.api.list_pods(owner)
+        except ApiFailure as err:
+            apply_error = f"the API server refused pods: {err.message}"
+        # The planner's replica counts, where it sets them, stand in for the spec's.
+        scaling = await self.autoscaler.scale(owner.uid, owner.name, spec, pods, previous)
         # The plan is built once; everything below reads it, not the spec.
-        plan = build_plan(owner.name, owner.namespace, spec,
+        plan = build_plan(owner.name, owner.namespace,
+                          with_replicas(spec, scaling.replicas if scaling else None),
                           ClusterAddressing(owner.namespace, self.cluster_domain))
         desired = [with_applied_hash(m) for m in render(owner, plan, self.default_image)]
         result = ReconcileResult(status={})
-        apply_error: str | None = None
         observed: dict[ChildKey, Manifest] = {}
-        pods: list[Manifest] = []
         target = "children"
         try:
             observed = await self.api.list_children(owner)
-            target = "pods"
-            pods = await self.api.list_pods(owner)
             changes = [m for m in desired if apply_reason(
                 m, observed.get((m["kind"], m["metadata"]["name"]))) is not None]
             # The API server validates every change (dry run) before any is made, so a change
@@ -219,7 +231,8 @@ class Reconciler:
             etcd_mode="Managed" if plan.etcd_managed else "External",
             etcd_endpoints=plan.etcd_endpoints, etcd_health=health,
             endpoint=self._endpoint(owner, plan), apply_error=apply_error, pods=pods,
-            roles={child_name(owner.name, c.role): c.role for c in plan.components})
+            roles={child_name(owner.name, c.role): c.role for c in plan.components},
+            autoscaling=scaling.status if scaling else None)
         result.status = compute_status(observation, previous, self.clock())
         result.error = apply_error
         return await self._finish(owner, seen, previous, result)
@@ -235,6 +248,9 @@ class Reconciler:
         ready = any(c.get("type") == "Ready" and c.get("status") == "True"
                     for c in result.status.get("conditions") or [])
         result.requeue_after = self.resync_seconds if ready else self.not_ready_resync_seconds
+        planner_due = self.autoscaler.due_in(owner.uid)
+        if planner_due is not None:
+            result.requeue_after = min(result.requeue_after, planner_due)
         return result
 
     def _endpoint(self, owner: Owner, plan: Plan) -> str:

@@ -80,15 +80,16 @@ def _render_component(owner: Owner, plan: plans.Plan, component: plans.Component
     if role == Role.ETCD:
         return _render_etcd(owner, plan, component)
     pod = _pod_template(owner, plan, component, image)
-    workload = {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": _meta(owner, name, role),
-        "spec": {
-            "replicas": component.replicas,
-            "selector": {"matchLabels": selector_labels(owner.name, role)},
-            "template": pod,
-        },
+    workload_spec: dict[str, Any] = {
+        "replicas": component.replicas,
+        "selector": {"matchLabels": selector_labels(owner.name, role)},
+        "template": pod,
     }
+    if component.scaled_externally:
+        # Not applied, so not owned: the HPA's (or KEDA's) writes through /scale stay.
+        del workload_spec["replicas"]
+    workload = {"apiVersion": "apps/v1", "kind": "Deployment",
+                "metadata": _meta(owner, name, role), "spec": workload_spec}
     # Instances find each other through etcd; a headless Service gives them stable DNS.
     service = _service(owner, name, component, headless=role.is_vllm,
                        service_type=component.service_type)

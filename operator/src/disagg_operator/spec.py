@@ -317,6 +317,112 @@ class MooncakeMasterSpec(_Model):
         return self
 
 
+class PrefillProfileSpec(_Model):
+    """A prefill instance's step time: base + perToken * tokens + perTokenContext * tokens *
+    context (the simulator's profile file, `prefill:` section, in these units)."""
+
+    base_seconds: float = Field(ge=0, description="Fixed time of one prefill step.")
+    per_token_seconds: float = Field(gt=0, description="Time per prompt token computed.")
+    per_token_context_seconds: float = Field(
+        default=0.0, ge=0, description="Attention time per token and token of context.")
+    max_batched_tokens: int = Field(
+        default=8192, ge=1, description="vLLM's token budget per step (max_num_batched_tokens).")
+
+
+class DecodeProfileSpec(_Model):
+    """A decode instance's step time: base + perSequence * running + perContextToken * the
+    running sequences' summed context (the profile file's `decode:` section)."""
+
+    base_seconds: float = Field(ge=0, description="Fixed time of one decode step.")
+    per_sequence_seconds: float = Field(ge=0, description="Time per running sequence.")
+    per_context_token_seconds: float = Field(
+        ge=0, description="Time per token of the running sequences' context.")
+    max_sequences: int = Field(default=256, ge=1, description="vLLM's max_num_seqs.")
+    kv_capacity_tokens: int = Field(ge=1, description="KV cache tokens one instance holds.")
+
+
+class PerformanceProfileSpec(_Model):
+    prefill: PrefillProfileSpec
+    decode: DecodeProfileSpec
+
+
+class ReplicaBoundsSpec(_Model):
+    min_replicas: int = Field(default=1, ge=1, description="Fewest instances the planner keeps.")
+    max_replicas: int = Field(default=8, ge=1, description="Most instances the planner asks for.")
+
+    cel_rules = (CelRule(rule="self.minReplicas <= self.maxReplicas",
+                         message="minReplicas must not exceed maxReplicas"),)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReplicaBoundsSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"{self.cel_rules[0].message} ({self.min_replicas} > "
+                             f"{self.max_replicas})")
+        return self
+
+
+class AutoscalingSpec(_Model):
+    """Who sets the prefill and decode replica counts."""
+
+    mode: Literal["Off", "Planner", "External"] = Field(
+        default="Off", description="Off: spec.prefill.replicas and spec.decode.replicas. "
+        "Planner: the operator sizes both roles every intervalSeconds from the serving pods' "
+        "metrics, the profile and the latency targets (the spec's replicas are the starting "
+        "counts). External: the operator leaves each role's Deployment replicas to whatever "
+        "scales its /scale subresource (HPA, KEDA); it creates them with one.")
+    ttft_p90_seconds: float | None = Field(
+        default=None, gt=0, description="Target 90th-percentile time to first token (Planner).")
+    itl_p90_seconds: float | None = Field(
+        default=None, gt=0, description="Target 90th-percentile inter-token latency (Planner).")
+    interval_seconds: int = Field(
+        default=180, ge=10, le=3600, description="How often the planner decides; its load and "
+        "latencies are measured over the interval before.")
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, le=86400, description="A role shrinks only to the highest count "
+        "recommended within this long (scale-ups are immediate).")
+    scale_down_step: int = Field(
+        default=1, ge=1, description="Most instances of one role removed per decision.")
+    prefill: ReplicaBoundsSpec = _obj("Bounds on prefill instances (Planner).")
+    decode: ReplicaBoundsSpec = _obj("Bounds on decode instances (Planner).")
+    min_prefill_per_decode: float | None = Field(
+        default=None, gt=0, description="Keep prefill/decode at least this (Planner).")
+    max_prefill_per_decode: float | None = Field(
+        default=None, gt=0, description="Keep prefill/decode at most this (Planner).")
+    profile: PerformanceProfileSpec | None = Field(
+        default=None, description="How fast one instance of each role is (Planner): the "
+        "prefill and decode sections of a simulator profile (simulator/profiling fits them).")
+
+    cel_rules = (
+        CelRule(rule="self.mode != 'Planner' || (has(self.ttftP90Seconds) && "
+                     "has(self.itlP90Seconds) && has(self.profile))",
+                message="autoscaling.mode Planner needs ttftP90Seconds, itlP90Seconds and "
+                        "profile"),
+        CelRule(rule="!has(self.minPrefillPerDecode) || !has(self.maxPrefillPerDecode) || "
+                     "self.minPrefillPerDecode <= self.maxPrefillPerDecode",
+                message="minPrefillPerDecode must not exceed maxPrefillPerDecode"),
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_objects(cls, data: Any) -> Any:
+        return _fill_object_defaults(cls, data)
+
+    @model_validator(mode="after")
+    def _planner_inputs(self) -> AutoscalingSpec:
+        if self.mode == "Planner":
+            missing = [name for name, value in (
+                ("ttftP90Seconds", self.ttft_p90_seconds),
+                ("itlP90Seconds", self.itl_p90_seconds), ("profile", self.profile))
+                if value is None]
+            if missing:
+                raise ValueError(f"mode Planner needs {', '.join(missing)}: set them, or "
+                                 "mode Off to keep the spec's replica counts")
+        if (self.min_prefill_per_decode is not None and self.max_prefill_per_decode is not None
+                and self.min_prefill_per_decode > self.max_prefill_per_decode):
+            raise ValueError(self.cel_rules[1].message)
+        return self
+
+
 class DisaggServingSpec(_Model):
     model: ModelSpec
     image: str | None = Field(
@@ -334,6 +440,7 @@ class DisaggServingSpec(_Model):
     proxy: ProxySpec = _obj("The XpYd proxy: the client entry point.")
     etcd: EtcdSpec = _obj("Metadata and registry store.")
     mooncake_master: MooncakeMasterSpec = _obj("The Mooncake store master (MooncakeStore).")
+    autoscaling: AutoscalingSpec = _obj("Who sets the prefill and decode replica counts.")
 
     @model_validator(mode="before")
     @classmethod

@@ -61,6 +61,9 @@ class Observation:
     roles: Mapping[str, str]  # workload name -> the plan's role for it
     apply_error: str | None = None
     pods: list[Manifest] = field(default_factory=list)  # the serving pods, as listed
+    # status.autoscaling as the autoscaler decided it (None: autoscaling is off); the
+    # instance counts are filled in here from the workloads.
+    autoscaling: Mapping[str, Any] | None = None
 
 
 # How much of a crashed container's termination message (its log's end) a condition quotes.
@@ -87,7 +90,9 @@ def pod_failures(pods: list[Manifest]) -> list[str]:
 
 
 def workload_state(role: str, desired: Manifest, live: Manifest | None) -> WorkloadState:
-    replicas = int(desired["spec"].get("replicas", 1))
+    # A workload scaled externally has no replicas in its manifest: what it has is desired.
+    replicas = int(desired["spec"].get(
+        "replicas", ((live or {}).get("spec") or {}).get("replicas", 1)))
     if live is None:
         return WorkloadState(role, replicas, 0, 0, rolled_out=False, failure=None)
     status = live.get("status") or {}
@@ -114,13 +119,18 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
                                 obs.observed.get((d["kind"], d["metadata"]["name"])))
                  for d in obs.desired if d["kind"] in WORKLOAD_KINDS]
     by_role = {w.role: w for w in workloads}
+    selectors = {obs.roles[d["metadata"]["name"]]: d["spec"]["selector"]["matchLabels"]
+                 for d in obs.desired if d["kind"] in WORKLOAD_KINDS}
     status: dict[str, Any] = {"observedGeneration": obs.generation}
     for role in SERVING_ROLES:
         state = by_role.get(role)
         if state is not None:
             status[role] = {"replicas": state.desired, "readyReplicas": state.ready,
-                            "summary": state.summary}
+                            "summary": state.summary, "selector": ",".join(
+                                f"{k}={v}" for k, v in sorted(selectors[role].items()))}
     status["endpoint"] = obs.endpoint
+    if obs.autoscaling is not None:
+        status["autoscaling"] = autoscaling_status(obs.autoscaling, by_role)
     status["etcd"] = {"mode": obs.etcd_mode, "endpoints": list(obs.etcd_endpoints),
                       "healthy": bool(obs.etcd_health and obs.etcd_health.healthy),
                       "message": obs.etcd_health.message if obs.etcd_health else "not checked"}
@@ -178,6 +188,22 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
     return status
 
 
+def autoscaling_status(decided: Mapping[str, Any],
+                       workloads: Mapping[str, WorkloadState]) -> dict[str, Any]:
+    """The autoscaler's section with each role's instances now (ready) and, where an external
+    scaler sets them, the count it asked for."""
+    section = dict(decided)
+    for role in (Role.PREFILL, Role.DECODE):
+        state = workloads.get(role)
+        if state is None:
+            continue
+        entry = dict(section.get(role) or {})
+        entry.setdefault("desired", state.desired)
+        entry["current"] = state.ready
+        section[role] = entry
+    return section
+
+
 def invalid_spec_status(previous: dict[str, Any], generation: int, message: str,
                         now: str) -> dict[str, Any]:
     """Keep what was observed before; mark the spec as the reason nothing changes."""
@@ -223,6 +249,20 @@ def condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:
     return None
 
 
+def planner_changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """The roles whose planner decision changed between two statuses: (was, now)."""
+    before, after = old.get("autoscaling") or {}, new.get("autoscaling") or {}
+    if after.get("mode") != "Planner":
+        return {}
+    changes = {}
+    for role in (Role.PREFILL, Role.DECODE):
+        was = (before.get(role) or {}).get("desired")
+        now = (after.get(role) or {}).get("desired")
+        if was is not None and now is not None and was != now:
+            changes[str(role)] = (was, now)
+    return changes
+
+
 @dataclass(frozen=True)
 class EventSpec:
     type: str  # Normal or Warning
@@ -243,10 +283,14 @@ def transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpe
             events.append(EventSpec("Warning", after["reason"], after["message"]))
         elif before is not None and before["status"] == "True":
             events.append(EventSpec("Warning", "NotReady", after["message"]))
+    autoscaled = planner_changes(old, new)
+    for role, (before_count, after_count) in autoscaled.items():
+        events.append(EventSpec("Normal", "Autoscaled", f"planner: {role} {before_count} -> "
+                                f"{after_count}: {new['autoscaling'].get('reason')}"))
     for role in SERVING_ROLES:
         was = (old.get(role) or {}).get("replicas")
         now = (new.get(role) or {}).get("replicas")
-        if was is not None and now is not None and was != now:
+        if was is not None and now is not None and was != now and role not in autoscaled:
             events.append(EventSpec("Normal", "Scaled", f"{role} scaled from {was} to {now}"))
     deg_before, deg_after = condition(old, DEGRADED), condition(new, DEGRADED)
     if deg_after and deg_after["status"] == "True" and deg_after["reason"] not in (

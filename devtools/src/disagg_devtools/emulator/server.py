@@ -132,15 +132,49 @@ def _matches_fields(obj: dict[str, Any], selector: str) -> bool:
     return True
 
 
-def _scale_of(workload: dict[str, Any]) -> dict[str, Any]:
-    meta = workload.get("metadata") or {}
-    selector = ((workload.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+@attrs.frozen
+class ScalePaths:
+    """Where a resource keeps what its Scale shows (a CRD's `subresources.scale`)."""
+
+    spec_replicas: str = ".spec.replicas"
+    status_replicas: str = ".status.replicas"
+    label_selector: str | None = None  # None: the workload's spec.selector.matchLabels
+
+
+WORKLOAD_SCALE = ScalePaths()
+
+
+def _at(obj: dict[str, Any], path: str) -> Any:
+    value: Any = obj
+    for part in path.strip(".").split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _merge_patch_at(path: str, value: Any) -> dict[str, Any]:
+    patch: dict[str, Any] = {}
+    node = patch
+    *parents, leaf = path.strip(".").split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+    return patch
+
+
+def _scale_of(obj: dict[str, Any], paths: ScalePaths = WORKLOAD_SCALE) -> dict[str, Any]:
+    meta = obj.get("metadata") or {}
+    if paths.label_selector is None:
+        labels = ((obj.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+    else:
+        selector = str(_at(obj, paths.label_selector) or "")
+    replicas = _at(obj, paths.spec_replicas)
     return {"apiVersion": "autoscaling/v1", "kind": "Scale",
             "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion",
                                               "creationTimestamp") if k in meta},
-            "spec": {"replicas": int((workload.get("spec") or {}).get("replicas", 1))},
-            "status": {"replicas": int((workload.get("status") or {}).get("replicas", 0)),
-                       "selector": ",".join(f"{k}={v}" for k, v in sorted(selector.items()))}}
+            "spec": {"replicas": 1 if replicas is None else int(replicas)},  # as defaulted
+            "status": {"replicas": int(_at(obj, paths.status_replicas) or 0),
+                       "selector": selector}}
 
 
 def _rewrite(request: kmock.Request, **changes: Any) -> kmock.Request:
@@ -184,6 +218,7 @@ class ClusterEmulator(KmockEmulator):
     readiness: Readiness = "instant"
     printer_columns: dict[kmock.resource, list[dict[str, Any]]] = attrs.field(factory=dict)
     schemas: dict[kmock.resource, dict[str, Any]] = attrs.field(factory=dict)
+    scale_paths: dict[kmock.resource, ScalePaths] = attrs.field(factory=dict)
     request_log: list[RequestRecord] = attrs.field(factory=list, init=False)
     _in_flight: set[int] = attrs.field(factory=set, init=False)
     _index: dict[Any, list[Any]] = attrs.field(factory=dict, init=False)
@@ -221,6 +256,11 @@ class ClusterEmulator(KmockEmulator):
                 self.schemas[res] = schema
             if version.get("additionalPrinterColumns"):
                 self.printer_columns[res] = version["additionalPrinterColumns"]
+            scale = version.get("subresources", {}).get("scale")
+            if scale:
+                self.scale_paths[res] = ScalePaths(
+                    scale["specReplicasPath"], scale["statusReplicasPath"],
+                    scale.get("labelSelectorPath"))
 
     def _info(self, res: kmock.resource) -> kmock.ResourceInfo | None:
         info = self.resources.get(res) if res in self.resources else None
@@ -261,7 +301,8 @@ class ClusterEmulator(KmockEmulator):
     async def _route(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await self.serve_default(request)
-        if request.subresource == "scale" and request.resource.plural in WORKLOAD_PLURALS:
+        if request.subresource == "scale" and (request.resource.plural in WORKLOAD_PLURALS
+                                               or request.resource in self.scale_paths):
             return await self._serve_scale(request)
         if request.action == kmock.action.WATCH:
             return await self._stream_watch(request)
@@ -363,14 +404,17 @@ class ClusterEmulator(KmockEmulator):
         return _rewrite(request, data=_merge_patch_to(current, after))
 
     async def _serve_scale(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
-        """The scale subresource of a Deployment or StatefulSet (kubectl scale): an
-        autoscaling/v1 Scale; a write to it is a write of the workload's spec.replicas."""
+        """The scale subresource of a Deployment, a StatefulSet or a custom resource that
+        declares one (kubectl scale, an HPA): an autoscaling/v1 Scale; a write to it is a
+        write of the object's replicas path."""
+        assert request.resource is not None
         key = (request.resource, request.namespace, request.name)
+        paths = self.scale_paths.get(request.resource, WORKLOAD_SCALE)
         current = self._stored(key)
         if current is None:
             return await self.serve_default(request)  # the API server's 404
         if request.method in (kmock.method.PATCH, kmock.method.PUT):
-            scale = _scale_of(current)
+            scale = _scale_of(current, paths)
             data = request.data
             try:
                 wanted = (jsonpatch.apply_patch(scale, data, in_place=False)
@@ -381,11 +425,11 @@ class ClusterEmulator(KmockEmulator):
                 raise kmock.KubernetesError(
                     status=422, reason="Invalid",
                     message=f"Scale.autoscaling {request.name!r} is invalid: {err}") from None
-            _rewrite(request, subresource=None, data={"spec": {"replicas": replicas}},
-                     method=kmock.method.PATCH)
+            _rewrite(request, subresource=None, method=kmock.method.PATCH,
+                     data=_merge_patch_at(paths.spec_replicas, replicas))
             await self._route(request)
             current = self._stored(key) or current
-        return aiohttp.web.json_response(_scale_of(current))
+        return aiohttp.web.json_response(_scale_of(current, paths))
 
     def _check_immutable(self, res: kmock.resource, current: dict[str, Any],
                          after: dict[str, Any]) -> None:

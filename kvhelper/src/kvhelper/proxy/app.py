@@ -33,6 +33,7 @@ from kvhelper.transfer_params import REMOTE_DECODE
 log = logging.getLogger("kvhelper.proxy")
 REQUEST_ID = "X-Request-Id"
 REQUEST_ID_KEY = web.RequestKey("request_id", str)
+STARTED_KEY = web.RequestKey("started", float)  # perf_counter() when the request arrived
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 T = TypeVar("T")
 # msgspec rather than the json module: the proxy parses and writes JSON three times a request.
@@ -120,6 +121,13 @@ class Metrics:
         self.phase = Histogram("disagg_proxy_phase_seconds",
                                "Prefill time, and decode time to the first byte.",
                                ["phase"], registry=self.registry)
+        # What a client waits for its first streamed token, prefill included: the planner's
+        # TTFT (vLLM's own histogram on decode starts when decode gets the request).
+        self.time_to_first_token = Histogram(
+            "disagg_proxy_time_to_first_token_seconds",
+            "From a streamed request's arrival to its first byte sent to the client.",
+            registry=self.registry, buckets=(.025, .05, .1, .25, .5, .75, 1, 1.5, 2, 3, 4, 6,
+                                             8, 10, 15, 20, 30, 60, 120))
         self.upstream_errors = Counter("disagg_proxy_upstream_errors_total",
                                        "Failed calls to instances.", ["phase", "reason"],
                                        registry=self.registry)
@@ -253,7 +261,7 @@ class Proxy:
     async def _errors_as_json(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         request_id = request.headers.get(REQUEST_ID) or f"disagg-{secrets.token_hex(16)}"
         request[REQUEST_ID_KEY] = request_id
-        started = time.perf_counter()
+        started = request[STARTED_KEY] = time.perf_counter()
         # The route, not the path: a client's made-up paths must not each become a series.
         resource = request.match_info.route.resource
         endpoint = resource.canonical if resource is not None else "unmatched"
@@ -508,6 +516,9 @@ class Proxy:
             try:
                 async with backend.deadline(None):  # ends early if the instance is ejected
                     chunk = first
+                    if chunk:
+                        self.metrics.time_to_first_token.observe(
+                            time.perf_counter() - request[STARTED_KEY])
                     while chunk:
                         await response.write(chunk)
                         chunk = await upstream.content.readany()

@@ -1,0 +1,196 @@
+"""The planner in the operator: every `autoscaling.intervalSeconds` it scrapes the serving pods,
+turns the interval's metrics into a Load, asks the planner (the same code the simulator drives)
+for replicas, and remembers the decision for the reconciles in between.
+
+Why in-process rather than a rendered Deployment: the operator already lists the pods, owns
+the workloads the decision lands on and writes the status that explains it; a separate
+planner would need its own RBAC to patch them and a second writer of the same counts.
+
+The decision lives in the operator's memory and in `status.autoscaling` (read back after a
+restart); the spec's replica counts stay the user's starting counts, so a GitOps tool that
+re-applies the manifest does not fight the planner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from disagg_operator.association import LABEL_COMPONENT, child_name
+from disagg_operator.load import Scrape, load_between, load_fields
+from disagg_operator.performance import DecodeModel, PrefillModel
+from disagg_operator.plan import VLLM_PORT
+from disagg_operator.planner import Bounds, Planner, Replicas, Targets
+from disagg_operator.spec import AutoscalingSpec, DisaggServingSpec
+
+log = logging.getLogger(__name__)
+
+SCRAPED_ROLES = ("prefill", "decode", "proxy")
+Manifest = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ScrapeTarget:
+    pod: str
+    role: str
+    address: str  # host:port of the pod's /metrics
+
+
+class MetricsSource(Protocol):
+    async def scrape(self, targets: Sequence[ScrapeTarget]) -> Scrape: ...
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """What one reconcile does about replicas: the counts the plan uses (None: the spec's, or
+    left to an external scaler) and the status section that explains them."""
+
+    replicas: Replicas | None
+    status: dict[str, Any]
+
+
+def with_replicas(spec: DisaggServingSpec, replicas: Replicas | None) -> DisaggServingSpec:
+    """The spec with the autoscaler's counts in place of its own (the plan reads the spec)."""
+    if replicas is None:
+        return spec
+    return spec.model_copy(update={
+        "prefill": spec.prefill.model_copy(update={"replicas": replicas.prefill}),
+        "decode": spec.decode.model_copy(update={"replicas": replicas.decode})})
+
+
+def scrape_targets(spec: DisaggServingSpec, pods: Sequence[Manifest]) -> list[ScrapeTarget]:
+    """Running serving pods with an IP, at the port their metrics are served on."""
+    ports = {"prefill": VLLM_PORT, "decode": VLLM_PORT, "proxy": spec.proxy.service.port}
+    targets = []
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        role = (meta.get("labels") or {}).get(LABEL_COMPONENT)
+        if role in ports and status.get("phase") == "Running" and status.get("podIP"):
+            targets.append(ScrapeTarget(meta["name"], role, f"{status['podIP']}:{ports[role]}"))
+    return targets
+
+
+def build_planner(autoscaling: AutoscalingSpec) -> Planner:
+    profile = autoscaling.profile
+    assert profile is not None and autoscaling.ttft_p90_seconds and autoscaling.itl_p90_seconds
+    prefill, decode = profile.prefill, profile.decode
+    return Planner(
+        prefill=PrefillModel(prefill.base_seconds, prefill.per_token_seconds,
+                             prefill.per_token_context_seconds, prefill.max_batched_tokens),
+        decode=DecodeModel(decode.base_seconds, decode.per_sequence_seconds,
+                           decode.per_context_token_seconds, decode.max_sequences,
+                           decode.kv_capacity_tokens),
+        targets=Targets(autoscaling.ttft_p90_seconds, autoscaling.itl_p90_seconds),
+        bounds=Bounds(autoscaling.prefill.min_replicas, autoscaling.prefill.max_replicas,
+                      autoscaling.decode.min_replicas, autoscaling.decode.max_replicas,
+                      autoscaling.min_prefill_per_decode, autoscaling.max_prefill_per_decode),
+        scale_down_window_s=float(autoscaling.scale_down_stabilization_seconds),
+        scale_down_step=autoscaling.scale_down_step)
+
+
+def starting_replicas(spec: DisaggServingSpec, previous: Mapping[str, Any]) -> Replicas:
+    """The planner's last decision as the status recorded it, else the spec's counts; within
+    the bounds either way."""
+    recorded = previous.get("autoscaling") or {}
+    autoscaling = spec.autoscaling
+
+    def start(role: str, spec_count: int) -> int:
+        bounds = getattr(autoscaling, role)
+        count = (recorded.get(role) or {}).get("desired") \
+            if recorded.get("mode") == "Planner" else None
+        chosen = int(count) if isinstance(count, int) else spec_count
+        return int(min(bounds.max_replicas, max(bounds.min_replicas, chosen)))
+
+    return Replicas(start("prefill", spec.prefill.replicas), start("decode", spec.decode.replicas))
+
+
+@dataclass
+class _PlannerState:
+    autoscaling: AutoscalingSpec  # the settings the planner was built from
+    planner: Planner
+    replicas: Replicas
+    next_at: float
+    reason: str
+    last_scrape: Scrape | None = None
+    decided_at: str | None = None
+    load: dict[str, float] = field(default_factory=dict)
+
+
+class Autoscaler:
+    def __init__(self, source: MetricsSource, clock: Callable[[], float],
+                 wall_clock: Callable[[], str]) -> None:
+        self.source = source
+        self.clock = clock  # monotonic seconds
+        self.wall_clock = wall_clock  # RFC 3339, for the status
+        self._states: dict[str, _PlannerState] = {}
+
+    def forget(self, uid: str) -> None:
+        self._states.pop(uid, None)
+
+    def due_in(self, uid: str) -> float | None:
+        """Seconds until the next decision for this object, if the planner runs for it."""
+        state = self._states.get(uid)
+        return None if state is None else max(0.0, state.next_at - self.clock())
+
+    async def scale(self, uid: str, name: str, spec: DisaggServingSpec,
+                    pods: Sequence[Manifest], previous: Mapping[str, Any]) -> Scaling | None:
+        mode = spec.autoscaling.mode
+        if mode != "Planner":
+            self.forget(uid)
+            if mode == "Off":
+                return None
+            return Scaling(None, {"mode": "External", "reason": (
+                "replicas are left to an external scaler through "
+                f"deployments/{child_name(name, 'prefill')}/scale and "
+                f"deployments/{child_name(name, 'decode')}/scale")})
+        now = self.clock()
+        state = self._states.get(uid)
+        if state is None or state.autoscaling != spec.autoscaling:
+            replicas = starting_replicas(spec, previous)
+            planner = build_planner(spec.autoscaling)
+            for role, count in (("prefill", replicas.prefill), ("decode", replicas.decode)):
+                planner.seed(now, role, count)  # no scale-down before a window of decisions
+            state = _PlannerState(spec.autoscaling, planner, replicas, next_at=now,
+                                  reason="measuring the first interval")
+            self._states[uid] = state
+        if now >= state.next_at:
+            await self._decide(state, spec, pods, now)
+        return Scaling(state.replicas, self._status(state))
+
+    async def _decide(self, state: _PlannerState, spec: DisaggServingSpec,
+                      pods: Sequence[Manifest], now: float) -> None:
+        state.next_at = now + spec.autoscaling.interval_seconds
+        scrape = await self.source.scrape(scrape_targets(spec, pods))
+        missing = [r for r in ("prefill", "decode") if r not in scrape.roles()]
+        if missing:
+            state.reason = (f"no metrics from any {' or '.join(missing)} instance; keeping "
+                            f"prefill {state.replicas.prefill}, decode {state.replicas.decode}")
+            return
+        earlier, state.last_scrape = state.last_scrape, scrape
+        if earlier is None:
+            state.reason = (f"measuring the first interval ({spec.autoscaling.interval_seconds}"
+                            " s) before deciding")
+            return
+        load = load_between(earlier, scrape)
+        decision = state.planner.decide(now, load, state.replicas)
+        state.replicas = decision.replicas
+        state.reason = decision.reason
+        state.load = load_fields(load)
+        state.decided_at = self.wall_clock()
+        log.info("Planner: prefill %d, decode %d (%s)", decision.replicas.prefill,
+                 decision.replicas.decode, decision.reason)
+
+    @staticmethod
+    def _status(state: _PlannerState) -> dict[str, Any]:
+        status: dict[str, Any] = {
+            "mode": "Planner",
+            "prefill": {"desired": state.replicas.prefill},
+            "decode": {"desired": state.replicas.decode},
+            "reason": state.reason}
+        if state.decided_at:
+            status["lastDecisionTime"] = state.decided_at
+        if state.load:
+            status["load"] = dict(state.load)
+        return status

@@ -1,0 +1,130 @@
+"""The operator running the planner against the API emulator: it scrapes the pods' metrics
+(stand-in pages on loopback, since the emulator's pods run nothing), decides, patches only
+the role it scales, and says so in the status and an Event. And an external scaler's writes
+through a Deployment's /scale stay when autoscaling.mode is External."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from typing import Any
+
+import kmock
+import pytest
+from disagg_devtools.emulator.metric_pages import EnginePage, MetricPagesServer, ProxyPage
+from disagg_devtools.emulator.sandbox import Sandbox
+from disagg_devtools.etcd_process import EtcdProcess
+from disagg_operator.handlers import OperatorConfig
+from disagg_operator.spec import PLURAL
+
+from .conftest import NAMESPACE, Api, example, managed_etcd
+
+PODS = {  # pod -> (role, IP)
+    "dsv2-lite-prefill-a": ("prefill", "10.0.0.1"),
+    "dsv2-lite-decode-a": ("decode", "10.0.0.2"),
+    "dsv2-lite-decode-b": ("decode", "10.0.0.3"),
+    "dsv2-lite-proxy-a": ("proxy", "10.0.0.4"),
+}
+PROFILE = {
+    "prefill": {"baseSeconds": 0.05, "perTokenSeconds": 1e-4},
+    "decode": {"baseSeconds": 0.01, "perSequenceSeconds": 1e-4,
+               "perContextTokenSeconds": 1e-6, "kvCapacityTokens": 10000},
+}
+
+
+@pytest.fixture
+async def pages() -> AsyncIterator[MetricPagesServer]:
+    server = MetricPagesServer({name: ProxyPage() if role == "proxy" else EnginePage(
+        num_gpu_blocks=1000, block_size=16) for name, (role, _) in PODS.items()})
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+@pytest.fixture
+def config(etcd: EtcdProcess, pages: MetricPagesServer) -> OperatorConfig:
+    return OperatorConfig(
+        default_image="test/serving:1", resync_seconds=0.3, not_ready_resync_seconds=0.3,
+        debounce_seconds=0.02, error_backoff_seconds=(0.2,), etcd_health_ttl_seconds=0.1,
+        etcd_address_overrides={managed_etcd("dsv2-lite"): etcd.endpoint},
+        metrics_address_overrides={
+            f"{ip}:{8000}": pages.address(name) for name, (_, ip) in PODS.items()})
+
+
+def add_pods(cluster: Sandbox) -> None:
+    """Running pods with IPs, as the kubelet would report them."""
+    for name, (role, ip) in PODS.items():
+        cluster.emulator.objects[kmock.resource("", "v1", "pods"), NAMESPACE, name] = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE, "labels": {
+                "app.kubernetes.io/instance": "dsv2-lite",
+                "app.kubernetes.io/managed-by": "disagg-operator",
+                "app.kubernetes.io/component": role}},
+            "status": {"phase": "Running", "podIP": ip}}
+
+
+def autoscaling(api: Api) -> dict[str, Any]:
+    return ((api.dsv("dsv2-lite") or {}).get("status") or {}).get("autoscaling") or {}
+
+
+async def test_the_planner_scales_decode_on_kv_demand_and_patches_only_decode(
+        cluster: Sandbox, api: Api, pages: MetricPagesServer) -> None:
+    body = copy.deepcopy(example("deepseek-v2-lite-1p2d.yaml"))
+    body["spec"]["autoscaling"] = {
+        "mode": "Planner", "ttftP90Seconds": 2.0, "itlP90Seconds": 0.05,
+        "intervalSeconds": 10, "profile": PROFILE, "decode": {"maxReplicas": 8}}
+    add_pods(cluster)
+    await api.create(body)
+    await api.wait(lambda: "before deciding" in autoscaling(api).get("reason", ""),
+                   "the first scrape")
+    await api.wait(lambda: autoscaling(api).get("decode") == {"desired": 2, "current": 2},
+                   "the spec's 2 decode instances, ready")
+    mark = api.mark()
+    for name in ("dsv2-lite-decode-a", "dsv2-lite-decode-b"):
+        page = pages.pages[name]
+        assert isinstance(page, EnginePage)
+        page.kv_usage.set(0.9)  # 14,400 of 16,000 tokens each: 28,800 wanted
+        for _ in range(10):
+            page.served(prompt=100, computed=0, output=20, itl_s=0.02)
+    prefill = pages.pages["dsv2-lite-prefill-a"]
+    assert isinstance(prefill, EnginePage)
+    for _ in range(20):
+        prefill.served(prompt=100, computed=100, output=1, itl_s=0.0)
+
+    # 28,800 KV tokens over 7,000 per instance (10,000 kept 70% full): 5 decode instances.
+    await api.wait(lambda: (api.get("deployments", "dsv2-lite-decode") or {})
+                   .get("spec", {}).get("replicas") == 5, "decode scaled to 5", timeout=30)
+    await api.wait(lambda: autoscaling(api).get("decode", {}).get("current") == 5,
+                   "the status to show 5 decode instances")
+    status = autoscaling(api)
+    assert status["mode"] == "Planner"
+    assert status["prefill"] == {"desired": 1, "current": 1}
+    assert "KV tokens wanted" in status["reason"]
+    assert status["load"]["requestsPerSecond"] > 0 and "lastDecisionTime" in status
+    assert [w for w in api.writes_since(mark) if PLURAL not in w] == [
+        "PATCH /apis/apps/v1/namespaces/default/deployments/dsv2-lite-decode"]
+    assert api.dsv("dsv2-lite")["spec"]["decode"]["replicas"] == 2  # type: ignore[index]
+    await api.wait(lambda: any("planner: decode 2 -> 5" in e.get("message", "")
+                               for e in api.events("Autoscaled")), "an Autoscaled event")
+
+
+async def test_an_external_scalers_count_stays(cluster: Sandbox, api: Api) -> None:
+    body = copy.deepcopy(example("deepseek-v2-lite-1p2d.yaml"))
+    body["spec"]["autoscaling"] = {"mode": "External"}
+    await api.create(body)
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady")
+    await api._request(  # what an HPA does
+        "PATCH", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/dsv2-lite-decode/scale",
+        {"spec": {"replicas": 4}}, content_type="application/merge-patch+json")
+    await api.wait(lambda: autoscaling(api).get("decode") == {"desired": 4, "current": 4},
+                   "the status to show the scaler's 4")
+    mark = api.mark()
+    await api.patch_spec("dsv2-lite", {"prefill": {"gpuMemoryUtilization": 0.85}})
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",
+                             generation=2)
+    assert (api.get("deployments", "dsv2-lite-decode") or {})["spec"]["replicas"] == 4
+    assert "deployments/dsv2-lite-decode/scale" in autoscaling(api)["reason"]
+    assert "PATCH /apis/apps/v1/namespaces/default/deployments/dsv2-lite-prefill" in \
+        api.writes_since(mark)
