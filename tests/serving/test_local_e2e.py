@@ -23,6 +23,8 @@ from disagg_devtools.local.cli import load
 from disagg_devtools.local.metrics import metric_total
 from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
 from disagg_devtools.processes import free_port
+from disagg_operator.load import Scrape, load_between
+from disagg_operator.metrics_scrape import parse_pod_metrics
 
 from .conftest import in_private_network
 from .engines import run_engine
@@ -379,7 +381,7 @@ def test_a_small_trace_replay_computes_what_the_store_cannot_serve(served) -> No
                 series(text, sent),
                 bench.scrape(prefills, lambda t: metric_total(t, "vllm:request_success_total")))
 
-    before = counters()
+    before, scraped_before = counters(), planner_scrape(served)
     outcome = asyncio.run(bench.replay(served.url, served.name, work, 4))
     assert outcome.failed == 0 and len(outcome.ttft) == len(work.prompts)
 
@@ -393,6 +395,35 @@ def test_a_small_trace_replay_computes_what_the_store_cannot_serve(served) -> No
     ideal = work.ideal_computed() / work.prompt_tokens
     print(f"trace replay: computed share {measured:.3f}, ideal {ideal:.3f}")
     assert abs(measured - ideal) <= 0.05, (measured, ideal)
+
+    # The operator's planner reads the same interval off the same pages.
+    scraped_after = planner_scrape(served)
+    load = load_between(scraped_before, scraped_after)
+    seconds = scraped_after.at - scraped_before.at
+    print(f"planner load: {load}")
+    assert load.requests_per_s * seconds == pytest.approx(len(work.prompts))
+    assert load.prompt_tokens_mean == pytest.approx(work.prompt_tokens / len(work.prompts))
+    assert load.output_tokens_mean == pytest.approx(4)
+    assert load.uncached_tokens_per_s * seconds == pytest.approx(after[0] - before[0], rel=0.02)
+    ttft_p90 = sorted(outcome.ttft)[int(0.9 * len(outcome.ttft))]
+    assert load.ttft_p90_s is not None and 0.4 * ttft_p90 <= load.ttft_p90_s <= 2.5 * ttft_p90
+    assert load.itl_p90_s is not None and load.itl_p90_s > 0
+    assert load.kv_tokens_demand is not None and load.kv_tokens_demand >= 0
+
+
+def planner_scrape(served: Served) -> Scrape:
+    """Every instance's and the proxy's /metrics, read as the operator's autoscaler reads them."""
+    import urllib.request
+
+    pages = {"proxy": ("proxy", served.url)} | {
+        item.spec.name: (item.spec.role, f"http://127.0.0.1:{item.spec.port}")
+        for item in served.deployment.started
+        if item.spec.role in ("prefill", "decode") and item.spec.port}
+    pods = {}
+    for name, (role, url) in pages.items():
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            pods[name] = parse_pod_metrics(role, response.read().decode())
+    return Scrape(time.monotonic(), pods)
 
 
 def _load_benchmark(name: str) -> Any:
