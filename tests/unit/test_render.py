@@ -1,5 +1,6 @@
 """Render and CRD generation: pure functions, checked against committed files."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,29 @@ def test_an_externally_scaled_role_leaves_its_replicas_to_the_scaler() -> None:
     assert "replicas" not in workloads["External"]["x-decode"]
     assert "replicas" not in workloads["External"]["x-prefill"]
     assert workloads["External"]["x-proxy"]["replicas"] == 1
+
+
+def test_store_pods_hold_the_pool_and_engines_lend_nothing() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-mla-1p2d.yaml").read_text())
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in render(
+        Owner("x", "default", "uid-0"),
+        parse_spec({**doc["spec"], "store": {"replicas": 2, "segmentSize": "1Gi"}}), "img:1")}
+    store = objects[("Deployment", "x-store")]
+    assert store["spec"]["replicas"] == 2
+    (container,) = store["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["mooncake_client"]
+    assert "--global_segment_size=1073741824" in container["args"]
+    assert "--master_server_address=x-mooncake-master.default.svc.cluster.local:50051" in \
+        container["args"]
+    assert container["resources"]["limits"]["memory"] == "1536Mi"  # the segment + 512Mi
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert ("Service", "x-store") not in objects  # found through the master, not DNS
+    config = json.loads(objects[("ConfigMap", "x-config")]["data"]["mooncake.json"])
+    assert config["global_segment_size"] == 0
+    without = render(Owner("x", "default", "uid-0"), parse_spec(doc["spec"]), "img:1")
+    config = json.loads(next(o for o in without if o["kind"] == "ConfigMap")["data"][
+        "mooncake.json"])
+    assert config["global_segment_size"] == 256 << 20
+    with pytest.raises(InvalidSpecError, match="spec.store.replicas"):
+        parse_spec({**doc["spec"], "store": {"replicas": 1},
+                    "kvTransfer": {"connector": "NixlConnector"}})

@@ -27,8 +27,9 @@ CONFIG = "config"  # the ConfigMap of config files (mooncake.json)
 ETCD = "etcd"  # the managed etcd StatefulSet and its headless peer Service
 ETCD_CLIENT = "etcd-client"  # the managed etcd's client Service
 MOONCAKE_MASTER = "mooncake-master"
+STORE = "store"  # dedicated Mooncake store pods
 PREFILL, DECODE, PROXY = "prefill", "decode", "proxy"
-SUFFIXES = (CONFIG, ETCD, ETCD_CLIENT, MOONCAKE_MASTER, PREFILL, DECODE, PROXY)
+SUFFIXES = (CONFIG, ETCD, ETCD_CLIENT, MOONCAKE_MASTER, STORE, PREFILL, DECODE, PROXY)
 MAX_NAME_LENGTH = DNS_LABEL_MAX - max(len(f"-{suffix}") for suffix in SUFFIXES)
 
 
@@ -61,7 +62,7 @@ class Owner:
 
 # app.kubernetes.io/name per component: what software runs there.
 _APP_NAMES = {PREFILL: "vllm", DECODE: "vllm", PROXY: "disagg-proxy",
-              MOONCAKE_MASTER: "mooncake-master", ETCD: "etcd"}
+              MOONCAKE_MASTER: "mooncake-master", STORE: "mooncake-store", ETCD: "etcd"}
 
 
 def selector_labels(owner_name: str, component: str) -> dict[str, str]:

@@ -36,6 +36,8 @@ PROXY_CACHE_DIR = "/var/cache/disagg-proxy"
 ANNOTATION_COMPAT = "serving.disagg.dev/compatibility"
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
+STORE_HTTP_PORT = 9300  # the store pod's /health and /metrics
+STORE_RPC_PORT = 50052
 
 
 
@@ -45,6 +47,7 @@ class Role(enum.StrEnum):
     DECODE = "decode"
     PROXY = "proxy"
     MOONCAKE_MASTER = "mooncake-master"
+    STORE = "store"
     ETCD = "etcd"
 
     @property
@@ -194,6 +197,8 @@ def build_plan(name: str, namespace: str, spec: DisaggServingSpec,
         components.append(_etcd_component(name, spec))
     if uses_store:
         components.append(_mooncake_master_component(spec))
+        if spec.store.replicas and master is not None:
+            components.append(_store_component(spec, master, etcd_endpoints))
     for role in VLLM_ROLES:
         components.append(_vllm_component(role, spec, etcd_endpoints, registry_prefix,
                                           addressing))
@@ -243,17 +248,24 @@ def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, obj
     return config
 
 
+def metadata_server(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...]) -> str:
+    """Where Mooncake's transfer engines find each other's segments."""
+    if spec.kv_transfer.mooncake.metadata_backend == "P2PHANDSHAKE":
+        return "P2PHANDSHAKE"
+    return "etcd://" + ",".join(etcd_endpoints)
+
+
 def mooncake_config_json(spec: DisaggServingSpec, master: str,
                          etcd_endpoints: tuple[str, ...]) -> str:
     mooncake = spec.kv_transfer.mooncake
-    metadata = ("P2PHANDSHAKE" if mooncake.metadata_backend == "P2PHANDSHAKE"
-                else "etcd://" + ",".join(etcd_endpoints))
     config = {
-        "metadata_server": metadata,
+        "metadata_server": metadata_server(spec, etcd_endpoints),
         "master_server_address": master,
         "protocol": mooncake.protocol,
         "device_name": mooncake.devices,
-        "global_segment_size": parse_quantity(mooncake.global_segment_size),
+        # With store pods the pages live there only: an engine that leaves takes none.
+        "global_segment_size": 0 if spec.store.replicas
+        else parse_quantity(mooncake.global_segment_size),
         "local_buffer_size": parse_quantity(mooncake.local_buffer_size),
     }
     return json.dumps(config, indent=2, sort_keys=True) + "\n"
@@ -428,6 +440,37 @@ def _mooncake_master_component(spec: DisaggServingSpec) -> Component:
     # One master: Mooncake keeps objects in the master's memory, and two would split the store.
     return Component(role=Role.MOONCAKE_MASTER, replicas=1, main=main,
                      resources=master.resources)
+
+
+def _store_component(spec: DisaggServingSpec, master: str,
+                     etcd_endpoints: tuple[str, ...]) -> Component:
+    """Mooncake's standalone store client: it mounts its segment with the master and serves
+    transfers from it, so the pool outlives every vLLM instance."""
+    mooncake = spec.kv_transfer.mooncake
+    main = Process(
+        name="mooncake-store",
+        command=("mooncake_client",
+                 f"--master_server_address={master}",
+                 f"--metadata_server={metadata_server(spec, etcd_endpoints)}",
+                 f"--global_segment_size={parse_quantity(spec.store.segment_size)}",
+                 f"--protocol={mooncake.protocol}",
+                 f"--device_names={mooncake.devices}",
+                 "--host=$(POD_IP)",
+                 f"--port={STORE_RPC_PORT}",
+                 "--enable_http_server=true",
+                 f"--http_port={STORE_HTTP_PORT}"),
+        env=(("POD_IP", PodIP()),),
+        ports=(("http", STORE_HTTP_PORT), ("rpc", STORE_RPC_PORT)),
+        health_path="/health",
+    )
+    segment_mib = -(-parse_quantity(spec.store.segment_size) // (1 << 20))
+    # The segment is ordinary process memory (not /dev/shm), held for the pod's life.
+    memory = f"{segment_mib + 512}Mi"
+    return Component(role=Role.STORE, replicas=spec.store.replicas, main=main,
+                     resources=spec.store.resources or {
+                         "requests": {"cpu": "500m", "memory": memory},
+                         "limits": {"memory": memory}},
+                     add_capabilities=("IPC_LOCK",) if mooncake.protocol == "rdma" else ())
 
 
 def _etcd_component(name: str, spec: DisaggServingSpec) -> Component:

@@ -90,6 +90,8 @@ def _render_component(owner: Owner, plan: plans.Plan, component: plans.Component
         del workload_spec["replicas"]
     workload = {"apiVersion": "apps/v1", "kind": "Deployment",
                 "metadata": _meta(owner, name, role), "spec": workload_spec}
+    if role == Role.STORE:
+        return [workload]  # clients find store pods through the master, never a Service
     # Instances find each other through etcd; a headless Service gives them stable DNS.
     service = _service(owner, name, component, headless=role.is_vllm,
                        service_type=component.service_type)

@@ -317,6 +317,33 @@ class MooncakeMasterSpec(_Model):
         return self
 
 
+class StoreSpec(_Model):
+    """Pods that only hold KV pages: Mooncake's standalone store client (`mooncake_client`),
+    each contributing `segmentSize` of memory to the store's pool."""
+
+    replicas: int = Field(
+        default=0, ge=0, description="Store pods. 0: every vLLM pod contributes "
+        "kvTransfer.mooncake.globalSegmentSize to the pool, and an instance that leaves "
+        "(scale-down, rollout) takes the pages placed in it. Above 0: the pages live in these "
+        "pods only (vLLM pods contribute none), so scaling and rollouts keep the cache.")
+    segment_size: str | int = Field(
+        default="16Gi", description="Memory each store pod contributes to the pool.",
+        json_schema_extra={"x-kubernetes-int-or-string": True})
+    resources: dict[str, Any] | None = _passthrough(
+        "Store container resources; default: segmentSize plus 512Mi of memory, requested and "
+        "limited.", _K8S_OBJECT)
+
+    @model_validator(mode="after")
+    def _size_parses(self) -> StoreSpec:
+        try:
+            if parse_quantity(self.segment_size) <= 0:
+                raise ValueError("must be positive")
+        except ValueError as err:
+            raise ValueError(f"store.segmentSize={self.segment_size!r} is not a positive size "
+                             f"(use a Kubernetes quantity such as 64Gi): {err}") from None
+        return self
+
+
 class PrefillProfileSpec(_Model):
     """A prefill instance's step time: base + perToken * tokens + perTokenContext * tokens *
     context (the simulator's profile file, `prefill:` section, in these units)."""
@@ -440,6 +467,7 @@ class DisaggServingSpec(_Model):
     proxy: ProxySpec = _obj("The XpYd proxy: the client entry point.")
     etcd: EtcdSpec = _obj("Metadata and registry store.")
     mooncake_master: MooncakeMasterSpec = _obj("The Mooncake store master (MooncakeStore).")
+    store: StoreSpec = _obj("Dedicated pods holding the store's memory (MooncakeStore).")
     autoscaling: AutoscalingSpec = _obj("Who sets the prefill and decode replica counts.")
 
     @model_validator(mode="before")
@@ -485,6 +513,11 @@ def parse_spec(raw: dict[str, Any] | None) -> DisaggServingSpec:
             "the proxy computes the kvhelper connector's store keys, and "
             "kvTransfer.implementation vllm stores under its own: set proxy.storeRouting to "
             "false (vLLM's connector looks up stored prefixes on every instance itself)"))
+    if spec.store.replicas and spec.kv_transfer.connector != ConnectorName.MOONCAKE_STORE:
+        raise InvalidSpecError("store.replicas", (
+            f"store pods hold the Mooncake store's memory, and kvTransfer.connector is "
+            f"{spec.kv_transfer.connector.value}: set store.replicas to 0, or use the "
+            "MooncakeStore connector"))
     if spec.proxy.store_routing and spec.kv_transfer.load_failure_policy == "Fail":
         raise InvalidSpecError("proxy.storeRouting", (
             "skipping prefill relies on decode recomputing a prompt whose pages were evicted "

@@ -288,7 +288,7 @@ def local_defaults() -> dict[str, str]:
 def local_binaries(python: str) -> dict[str, str]:
     """Programs the plan names, found beside the serving Python first."""
     found = {}
-    for program in ("mooncake_master", "etcd"):
+    for program in ("mooncake_master", "mooncake_client", "etcd"):
         path = shutil.which(program, path=str(Path(python).parent)) or shutil.which(program)
         if path:
             found[program] = path
