@@ -23,6 +23,9 @@ SEED_CHILDREN = {
     ("services", "dsv2-lite-decode"),
     ("deployments", "dsv2-lite-proxy"),
     ("services", "dsv2-lite-proxy"),
+    *(("poddisruptionbudgets", f"dsv2-lite-{role}") for role in ("prefill", "decode", "proxy")),
+    *(("networkpolicies", f"dsv2-lite-{role}")
+      for role in ("etcd", "mooncake-master", "prefill", "decode", "proxy")),
 }
 
 
@@ -106,7 +109,8 @@ async def test_switch_to_external_etcd_prunes_managed_etcd(api: Api, etcd: EtcdP
     children = set(api.children("dsv2-lite"))
     assert children == SEED_CHILDREN - {("statefulsets", "dsv2-lite-etcd"),
                                         ("services", "dsv2-lite-etcd"),
-                                        ("services", "dsv2-lite-etcd-client")}
+                                        ("services", "dsv2-lite-etcd-client"),
+                                        ("networkpolicies", "dsv2-lite-etcd")}
     config = api.get("configmaps", "dsv2-lite-config", group="", version="v1")
     assert f"etcd://{etcd.endpoint}" in config["data"]["mooncake.json"]  # type: ignore[index]
     cond = await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",

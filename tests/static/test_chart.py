@@ -94,8 +94,9 @@ async def test_helm_install_for_listed_namespaces(cluster: Sandbox, tools: Path)
     (deployment,) = stored(cluster, "deployments")
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in container["args"]
-    assert container["env"] == [{"name": "DISAGG_DEFAULT_IMAGE",
-                                 "value": "registry.example/serving:9"}]
+    assert container["env"] == [
+        {"name": "DISAGG_DEFAULT_IMAGE", "value": "registry.example/serving:9"},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
 
 
 async def test_helm_install_rejects_bad_values(cluster: Sandbox, tools: Path) -> None:

@@ -19,7 +19,8 @@ GOLDEN = ROOT / "tests" / "golden"
 def _render(path: Path) -> list[dict]:
     doc = yaml.safe_load(path.read_text())
     owner = Owner(doc["metadata"]["name"], "default", "uid-0")
-    return render(owner, parse_spec(doc["spec"]), "disagg-operator/serving:0.1.0")
+    return render(owner, parse_spec(doc["spec"]), "disagg-operator/serving:0.1.0",
+                  operator_namespace="disagg-system")
 
 
 def test_committed_crd_is_generated_from_spec_models() -> None:

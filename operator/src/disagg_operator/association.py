@@ -83,3 +83,10 @@ def child_labels(owner_name: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/part-of": PART_OF,
         LABEL_MANAGED_BY: MANAGED_BY,
     }
+
+
+def child_meta(owner: Owner, name: str, component: str) -> dict[str, Any]:
+    """A child's metadata: its name, namespace, labels and owner reference."""
+    return {"name": name, "namespace": owner.namespace,
+            "labels": child_labels(owner.name, component),
+            "ownerReferences": [owner.reference()]}

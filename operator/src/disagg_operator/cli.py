@@ -32,7 +32,10 @@ def crd() -> None:
 @click.option("--namespace", default="default", show_default=True)
 @click.option("--image", "default_image", default=DEFAULT_SERVING_IMAGE, show_default=True,
               help="Serving image for specs that do not set one.")
-def render_cmd(path: Path, namespace: str, default_image: str) -> None:
+@click.option("--operator-namespace", default=None,
+              help="The operator's namespace, let through the NetworkPolicies.")
+def render_cmd(path: Path, namespace: str, default_image: str,
+               operator_namespace: str | None) -> None:
     """Print the objects the operator would create for a DisaggServing YAML file."""
     doc = yaml.safe_load(path.read_text())
     meta = doc.get("metadata") or {}
@@ -42,8 +45,8 @@ def render_cmd(path: Path, namespace: str, default_image: str) -> None:
         click.echo(f"error: {path}: {err}", err=True)
         sys.exit(2)
     owner = Owner(meta.get("name", "unnamed"), meta.get("namespace", namespace), "<uid>")
-    click.echo(yaml.safe_dump_all(render_spec(owner, spec, default_image), sort_keys=False),
-               nl=False)
+    objects = render_spec(owner, spec, default_image, operator_namespace=operator_namespace)
+    click.echo(yaml.safe_dump_all(objects, sort_keys=False), nl=False)
 
 
 @main.command("run")
@@ -65,9 +68,14 @@ def render_cmd(path: Path, namespace: str, default_image: str) -> None:
               help="Where to reach an etcd endpoint whose cluster name does not resolve here "
               "(an operator run outside the cluster, e.g. through kubectl port-forward); "
               "repeatable.")
+@click.option("--operator-namespace", envvar="POD_NAMESPACE", default=None,
+              help="The namespace the operator's pod runs in (the chart sets POD_NAMESPACE): "
+              "the serving pods' NetworkPolicies let it through for its etcd health check and "
+              "the planner's metrics scrape. Unset outside a cluster.")
 def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: float,
             cluster_domain: str, metrics_port: int, health_port: int, log_format: str,
-            verbose: bool, etcd_addresses: tuple[str, ...]) -> None:
+            verbose: bool, etcd_addresses: tuple[str, ...],
+            operator_namespace: str | None) -> None:
     """Run the operator against the cluster of $KUBECONFIG or the pod's service account."""
     overrides = {}
     for item in etcd_addresses:
@@ -89,7 +97,8 @@ def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: flo
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat[log_format.upper()])
     config = OperatorConfig(default_image=default_image, resync_seconds=resync_seconds,
                             cluster_domain=cluster_domain, metrics_port=metrics_port or None,
-                            etcd_address_overrides=overrides)
+                            etcd_address_overrides=overrides,
+                            operator_namespace=operator_namespace)
     kopf.run(registry=registry, standalone=True, clusterwide=not namespaces,
              namespaces=list(namespaces), memo=kopf.Memo(config=config),
              liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)

@@ -45,6 +45,7 @@ class OperatorConfig:
     metrics_port: int | None = None
     # Pod host:port -> host:port for the planner's metrics scrapes (tests: loopback servers).
     metrics_address_overrides: Mapping[str, str] = field(default_factory=dict)
+    operator_namespace: str | None = None  # where its pod runs; None: outside the cluster
 
 
 class WakeBoard:
@@ -95,6 +96,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         default_image=config.default_image, cluster_domain=config.cluster_domain,
         resync_seconds=config.resync_seconds,
         not_ready_resync_seconds=config.not_ready_resync_seconds,
+        operator_namespace=config.operator_namespace,
         autoscaler=Autoscaler(
             PodMetricsScraper(address_overrides=config.metrics_address_overrides),
             time.monotonic, utcnow))
@@ -171,6 +173,10 @@ async def disaggserving_changed(body: kopf.Body, uid: str, memo: kopf.Memo,
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY},
                registry=registry)
 @kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED_BY: MANAGED_BY},
+               registry=registry)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies",
+               labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry)
+@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_MANAGED_BY: MANAGED_BY},
                registry=registry)
 async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     board: WakeBoard = memo.context.wakeboard

@@ -26,6 +26,10 @@ _RESOURCES = {
     "Service": create_namespaced_resource("", "v1", "Service", "services"),
     "Deployment": create_namespaced_resource("apps", "v1", "Deployment", "deployments"),
     "StatefulSet": create_namespaced_resource("apps", "v1", "StatefulSet", "statefulsets"),
+    "NetworkPolicy": create_namespaced_resource("networking.k8s.io", "v1", "NetworkPolicy",
+                                                "networkpolicies"),
+    "PodDisruptionBudget": create_namespaced_resource("policy", "v1", "PodDisruptionBudget",
+                                                      "poddisruptionbudgets"),
 }
 _POD = create_namespaced_resource("", "v1", "Pod", "pods")
 # The kinds render() produces, i.e. every kind the operator may need to prune.

@@ -20,6 +20,7 @@ from disagg_operator.quantity import parse_quantity
 from disagg_operator.spec import (
     ConnectorName,
     DisaggServingSpec,
+    NetworkPolicySpec,
     RoleSpec,
     SecretKeyRef,
     store_routing,
@@ -146,6 +147,7 @@ class Plan:
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: tuple[str, ...] = ()
     proxy_port: int = 8000  # where clients reach the proxy's Service
+    network_policy: NetworkPolicySpec | None = None  # None: no NetworkPolicies
 
     def component(self, role: Role) -> Component | None:
         return next((c for c in self.components if c.role == role), None)
@@ -209,7 +211,8 @@ def build_plan(name: str, namespace: str, spec: DisaggServingSpec,
                 config_files=config_files, components=tuple(components),
                 image=spec.image, image_pull_policy=spec.image_pull_policy,
                 image_pull_secrets=tuple(s.name for s in spec.image_pull_secrets),
-                proxy_port=spec.proxy.service.port)
+                proxy_port=spec.proxy.service.port,
+                network_policy=spec.network_policy if spec.network_policy.enabled else None)
 
 
 def kv_transfer_config(role: VLLMRole, spec: DisaggServingSpec) -> dict[str, object]:

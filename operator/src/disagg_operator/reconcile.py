@@ -134,8 +134,10 @@ class Reconciler:
                  cluster_domain: str = "cluster.local",
                  clock: Callable[[], str] = utcnow, resync_seconds: float = 60.0,
                  not_ready_resync_seconds: float = 10.0,
-                 autoscaler: Autoscaler | None = None) -> None:
+                 autoscaler: Autoscaler | None = None,
+                 operator_namespace: str | None = None) -> None:
         self.api = api
+        self.operator_namespace = operator_namespace
         if autoscaler is None:
             from disagg_operator.metrics_scrape import PodMetricsScraper
             autoscaler = Autoscaler(PodMetricsScraper(), time.monotonic, clock)
@@ -197,7 +199,8 @@ class Reconciler:
         plan = build_plan(owner.name, owner.namespace,
                           with_replicas(spec, scaling.replicas if scaling else None),
                           ClusterAddressing(owner.namespace, self.cluster_domain))
-        desired = [with_applied_hash(m) for m in render(owner, plan, self.default_image)]
+        desired = [with_applied_hash(m) for m in render(owner, plan, self.default_image,
+                                                          self.operator_namespace)]
         result = ReconcileResult(status={})
         observed: dict[ChildKey, Manifest] = {}
         target = "children"

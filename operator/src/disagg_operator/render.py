@@ -19,10 +19,12 @@ from disagg_operator.association import (
     ETCD_CLIENT,
     Owner,
     child_labels,
+    child_meta,
     child_name,
     selector_labels,
 )
 from disagg_operator.plan import Role
+from disagg_operator.render_isolation import render_isolation
 from disagg_operator.spec import DisaggServingSpec, RoleSpec
 
 # A hash of the config files a pod reads (mooncake.json): a change rolls the pods, which
@@ -45,31 +47,30 @@ DEFAULT_RESOURCES: dict[str, dict[str, Any]] = {
                             "limits": {"memory": "2Gi"}},
 }
 
-def _meta(owner: Owner, name: str, role: str) -> dict[str, Any]:
-    return {"name": name, "namespace": owner.namespace, "labels": child_labels(owner.name, role),
-            "ownerReferences": [owner.reference()]}
-
-
 def render_spec(owner: Owner, spec: DisaggServingSpec, default_image: str,
-                cluster_domain: str = "cluster.local") -> list[Manifest]:
+                cluster_domain: str = "cluster.local",
+                operator_namespace: str | None = None) -> list[Manifest]:
     """`render` of the plan a spec gives in a cluster (the CLI's and the tests' shortcut)."""
     addressing = plans.ClusterAddressing(owner.namespace, cluster_domain)
     return render(owner, plans.build_plan(owner.name, owner.namespace, spec, addressing),
-                  default_image)
+                  default_image, operator_namespace)
 
 
-def render(owner: Owner, plan: plans.Plan, default_image: str) -> list[Manifest]:
-    """All desired children, in apply order (config and dependencies first)."""
+def render(owner: Owner, plan: plans.Plan, default_image: str,
+           operator_namespace: str | None = None) -> list[Manifest]:
+    """All desired children, in apply order (config and dependencies first). The operator's
+    namespace, when it runs in the cluster, lets it through the NetworkPolicies."""
     image = plan.image or default_image
     objects: list[Manifest] = []
     if plan.config_files:
         objects.append({
             "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": _meta(owner, child_name(owner.name, CONFIG), "config"),
+            "metadata": child_meta(owner, child_name(owner.name, CONFIG), "config"),
             "data": dict(sorted(plan.config_files.items())),
         })
     for component in plan.components:
         objects.extend(_render_component(owner, plan, component, image))
+    objects.extend(render_isolation(owner, plan, operator_namespace))
     return objects
 
 
@@ -89,7 +90,7 @@ def _render_component(owner: Owner, plan: plans.Plan, component: plans.Component
         # Not applied, so not owned: the HPA's (or KEDA's) writes through /scale stay.
         del workload_spec["replicas"]
     workload = {"apiVersion": "apps/v1", "kind": "Deployment",
-                "metadata": _meta(owner, name, role), "spec": workload_spec}
+                "metadata": child_meta(owner, name, role), "spec": workload_spec}
     if role == Role.STORE:
         return [workload]  # clients find store pods through the master, never a Service
     # Instances find each other through etcd; a headless Service gives them stable DNS.
@@ -111,7 +112,7 @@ def _service(owner: Owner, name: str, component: plans.Component, *, headless: b
     else:
         service_spec["type"] = service_type
     return {"apiVersion": "v1", "kind": "Service",
-            "metadata": _meta(owner, name, component.role), "spec": service_spec}
+            "metadata": child_meta(owner, name, component.role), "spec": service_spec}
 
 
 def _env(process: plans.Process, extra: list[dict[str, Any]] | None = None) -> list[Any]:
@@ -308,7 +309,7 @@ def _render_etcd(owner: Owner, plan: plans.Plan,
     else:
         pod_spec["volumes"] = [{"name": "data", "emptyDir": {}}]
     statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet",
-                   "metadata": _meta(owner, name, Role.ETCD), "spec": sts_spec}
+                   "metadata": child_meta(owner, name, Role.ETCD), "spec": sts_spec}
     peers = _service(owner, name, component, headless=True)
     peers["spec"]["publishNotReadyAddresses"] = True  # members must find each other to start
     client = _service(owner, child_name(owner.name, ETCD_CLIENT), component, headless=False)

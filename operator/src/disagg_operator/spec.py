@@ -317,6 +317,21 @@ class MooncakeMasterSpec(_Model):
         return self
 
 
+class NetworkPolicySpec(_Model):
+    """Which pods may reach the DisaggServing's pods: ingress NetworkPolicies per component.
+    Egress is left open (DNS, model downloads)."""
+
+    enabled: bool = Field(
+        default=True, description="Render the NetworkPolicies (the cluster's network plugin "
+        "must enforce them).")
+    clients_from: list[dict[str, Any]] | None = _passthrough(
+        "NetworkPolicy peers that may reach the proxy's port (the clients); default: any "
+        "source.", _K8S_LIST)
+    metrics_from: list[dict[str, Any]] | None = _passthrough(
+        "NetworkPolicy peers that may scrape the metrics ports (e.g. a namespaceSelector "
+        "matching your Prometheus's namespace); default: only the operator.", _K8S_LIST)
+
+
 class StoreSpec(_Model):
     """Pods that only hold KV pages: Mooncake's standalone store client (`mooncake_client`),
     each contributing `segmentSize` of memory to the store's pool."""
@@ -468,6 +483,7 @@ class DisaggServingSpec(_Model):
     etcd: EtcdSpec = _obj("Metadata and registry store.")
     mooncake_master: MooncakeMasterSpec = _obj("The Mooncake store master (MooncakeStore).")
     store: StoreSpec = _obj("Dedicated pods holding the store's memory (MooncakeStore).")
+    network_policy: NetworkPolicySpec = _obj("Which pods may reach the serving pods.")
     autoscaling: AutoscalingSpec = _obj("Who sets the prefill and decode replica counts.")
 
     @model_validator(mode="before")
