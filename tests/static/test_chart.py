@@ -55,7 +55,14 @@ async def test_helm_install_cluster_wide(cluster: Sandbox, tools: Path) -> None:
     assert crd["metadata"]["name"] == "disaggservings.serving.disagg.dev"
     roles = {r["metadata"]["name"]: r for r in stored(cluster, "clusterroles")}
     assert set(roles) == {"disagg-disagg-operator", "disagg-disagg-operator-discovery"}
-    assert stored(cluster, "roles") == []
+    # In its own namespace only the leader election's Lease: create, and read and renew that
+    # one by name.
+    (lease_role,) = stored(cluster, "roles")
+    assert lease_role["metadata"]["namespace"] == "disagg-system"
+    assert lease_role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": ["disagg-operator"], "verbs": ["get", "update"]}]
     rules = roles["disagg-disagg-operator"]["rules"]
     assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
     granted = {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"]
@@ -75,6 +82,7 @@ async def test_helm_install_cluster_wide(cluster: Sandbox, tools: Path) -> None:
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["image"] == "disagg-operator/operator:0.1.0"
     assert not any(a.startswith("--namespace") for a in container["args"])
+    assert deployment["spec"]["replicas"] == 2 and "--leader-election" in container["args"]
     (service,) = stored(cluster, "services")
     assert service["spec"]["ports"][0]["name"] == "metrics"
 
@@ -82,7 +90,7 @@ async def test_helm_install_cluster_wide(cluster: Sandbox, tools: Path) -> None:
 async def test_helm_install_for_listed_namespaces(cluster: Sandbox, tools: Path) -> None:
     await helm_install(cluster, tools, {"watchNamespaces": ["team-a", "team-b"],
                                         "servingImage": "registry.example/serving:9"})
-    roles = stored(cluster, "roles")
+    roles = [r for r in stored(cluster, "roles") if "leader-election" not in r["metadata"]["name"]]
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     bindings = stored(cluster, "rolebindings")
     assert {b["subjects"][0]["namespace"] for b in bindings} == {"disagg-system"}
@@ -95,6 +103,7 @@ async def test_helm_install_for_listed_namespaces(cluster: Sandbox, tools: Path)
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert "--namespace=team-a" in container["args"]
     assert container["env"] == [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "DISAGG_DEFAULT_IMAGE", "value": "registry.example/serving:9"},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import secrets
+import socket
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -72,10 +75,20 @@ def render_cmd(path: Path, namespace: str, default_image: str,
               help="The namespace the operator's pod runs in (the chart sets POD_NAMESPACE): "
               "the serving pods' NetworkPolicies let it through for its etcd health check and "
               "the planner's metrics scrape. Unset outside a cluster.")
+@click.option("--leader-election/--no-leader-election", default=False, show_default=True,
+              help="Reconcile only while holding the Lease (for several replicas; the chart "
+              "turns it on).")
+@click.option("--leader-id", envvar="POD_NAME", default=None,
+              help="This replica's name in the Lease (the chart sets POD_NAME); default: the "
+              "host name and a random suffix.")
+@click.option("--lease-seconds", default=15.0, show_default=True,
+              help="How long a leader's Lease lasts without renewal; a standby takes over "
+              "within about this long after the leader dies.")
 def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: float,
             cluster_domain: str, metrics_port: int, health_port: int, log_format: str,
             verbose: bool, etcd_addresses: tuple[str, ...],
-            operator_namespace: str | None) -> None:
+            operator_namespace: str | None, leader_election: bool, leader_id: str | None,
+            lease_seconds: float) -> None:
     """Run the operator against the cluster of $KUBECONFIG or the pod's service account."""
     overrides = {}
     for item in etcd_addresses:
@@ -89,19 +102,31 @@ def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: flo
         import kopf
 
         from disagg_operator.handlers import OperatorConfig, registry
+        from disagg_operator.leader import ElectionSettings
     except ImportError as err:
         raise click.ClickException(
             f"the controller needs {err.name}: pip install 'disagg-operator[controller]' "
             "(the operator image has it)") from None
 
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat[log_format.upper()])
+    stop_flag = threading.Event()
+    election = None
+    if leader_election:
+        identity = leader_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
+        # client-go's proportions: renew within 2/3 of the lease, retry at 2/15 of it.
+        election = ElectionSettings(identity, lease_seconds, lease_seconds * 2 / 3,
+                                    lease_seconds * 2 / 15)
     config = OperatorConfig(default_image=default_image, resync_seconds=resync_seconds,
                             cluster_domain=cluster_domain, metrics_port=metrics_port or None,
                             etcd_address_overrides=overrides,
-                            operator_namespace=operator_namespace)
+                            operator_namespace=operator_namespace, leader_election=election,
+                            lease_namespace=operator_namespace or "default",
+                            stop_flag=stop_flag)
     kopf.run(registry=registry, standalone=True, clusterwide=not namespaces,
-             namespaces=list(namespaces), memo=kopf.Memo(config=config),
+             namespaces=list(namespaces), memo=kopf.Memo(config=config), stop_flag=stop_flag,
              liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)
+    if election is not None and stop_flag.is_set():
+        raise click.ClickException("lost the leader lease; exiting to restart as a standby")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ and on a resync timer; bursts of wakes are coalesced into one reconcile.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +25,8 @@ from disagg_operator import metrics
 from disagg_operator.association import LABEL_MANAGED_BY, MANAGED_BY
 from disagg_operator.autoscaler import Autoscaler
 from disagg_operator.etcd_health import EtcdHealthChecker
-from disagg_operator.kube import ApiFailure, LightkubeApi
+from disagg_operator.kube import ApiFailure, LightkubeApi, LightkubeLeaseStore
+from disagg_operator.leader import ElectionSettings, LeaderElector
 from disagg_operator.metrics_scrape import PodMetricsScraper
 from disagg_operator.reconcile import Reconciler, utcnow
 from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
@@ -46,6 +49,12 @@ class OperatorConfig:
     # Pod host:port -> host:port for the planner's metrics scrapes (tests: loopback servers).
     metrics_address_overrides: Mapping[str, str] = field(default_factory=dict)
     operator_namespace: str | None = None  # where its pod runs; None: outside the cluster
+    # With several replicas: only the holder of the Lease `lease_name` in `lease_namespace`
+    # reconciles; one that loses it sets `stop_flag` (kopf's) and exits, to restart as standby.
+    leader_election: ElectionSettings | None = None
+    lease_namespace: str = "default"
+    lease_name: str = "disagg-operator"
+    stop_flag: threading.Event | None = None
 
 
 class WakeBoard:
@@ -73,6 +82,9 @@ class OperatorContext:
     client: AsyncClient
     reconciler: Reconciler
     wakeboard: WakeBoard
+    leading: asyncio.Event  # set while this replica may reconcile
+    elector: LeaderElector | None = None
+    election: asyncio.Task[None] | None = None
 
 
 @kopf.on.login(registry=registry)
@@ -100,15 +112,36 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         autoscaler=Autoscaler(
             PodMetricsScraper(address_overrides=config.metrics_address_overrides),
             time.monotonic, utcnow))
-    memo.context = OperatorContext(config, client, reconciler, WakeBoard())
+    if config.leader_election is None:
+        leading = asyncio.Event()
+        leading.set()
+        memo.context = OperatorContext(config, client, reconciler, WakeBoard(), leading)
+    else:
+        elector = LeaderElector(
+            LightkubeLeaseStore(client, config.lease_namespace, config.lease_name),
+            config.leader_election)
+        memo.context = OperatorContext(config, client, reconciler, WakeBoard(), elector.leading,
+                                       elector, asyncio.create_task(_lead(elector, config)))
     if config.metrics_port is not None:
         start_http_server(config.metrics_port)
+
+
+async def _lead(elector: LeaderElector, config: OperatorConfig) -> None:
+    """Lead until the lease is lost; then stop the whole operator (its pod restarts it as a
+    standby), as client-go's controllers do: a replica that might not lead must not write."""
+    await elector.run()
+    if config.stop_flag is not None:
+        config.stop_flag.set()
 
 
 @kopf.on.cleanup(registry=registry)
 async def stop(memo: kopf.Memo, **_: Any) -> None:
     context: OperatorContext | None = getattr(memo, "context", None)
     if context is not None:
+        if context.election is not None:
+            context.election.cancel()
+        if context.elector is not None:
+            await context.elector.release()
         await context.client.close()
 
 
@@ -123,6 +156,10 @@ async def reconcile_loop(body: kopf.Body, uid: str, namespace: str | None, name:
     failures = 0
     try:
         while not stopped:
+            if not context.leading.is_set():  # a standby reconciles nothing
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(context.leading.wait(), timeout=1.0)
+                continue
             wake.clear()
             snapshot = copy.deepcopy(dict(body))  # the live body changes under our feet
             if snapshot["metadata"].get("deletionTimestamp"):

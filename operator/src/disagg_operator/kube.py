@@ -16,6 +16,7 @@ from lightkube.types import CascadeType, PatchType
 
 from disagg_operator import metrics
 from disagg_operator.association import Owner, owned_labels
+from disagg_operator.leader import LeaseRecord
 from disagg_operator.render import Manifest
 from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
 
@@ -35,6 +36,7 @@ _POD = create_namespaced_resource("", "v1", "Pod", "pods")
 # The kinds render() produces, i.e. every kind the operator may need to prune.
 CHILD_KINDS = tuple(_RESOURCES)
 DisaggServingResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
+_LEASE = create_namespaced_resource("coordination.k8s.io", "v1", "Lease", "leases")
 
 ChildKey = tuple[str, str]  # (kind, name)
 
@@ -140,3 +142,56 @@ class _translated:
         if isinstance(exc, httpx2.TransportError):
             raise ApiFailure(0, "Unreachable", f"{type(exc).__name__}: {exc}") from exc
         return False
+
+
+class LightkubeLeaseStore:
+    """The leader election's Lease (disagg_operator.leader.LeaseStore) over lightkube."""
+
+    def __init__(self, client: AsyncClient, namespace: str, name: str) -> None:
+        self.client, self.namespace, self.name = client, namespace, name
+
+    async def get(self) -> LeaseRecord | None:
+        try:
+            async with _translated():
+                found = dict(await self.client.get(_LEASE, self.name, namespace=self.namespace))
+        except ApiFailure as err:
+            if err.code == 404:
+                return None
+            raise
+        spec = found.get("spec") or {}
+        return LeaseRecord(holder=spec.get("holderIdentity") or "",
+                           lease_seconds=int(spec.get("leaseDurationSeconds") or 0),
+                           acquired=spec.get("acquireTime") or "",
+                           renewed=spec.get("renewTime") or "",
+                           transitions=int(spec.get("leaseTransitions") or 0),
+                           version=found["metadata"].get("resourceVersion"))
+
+    async def create(self, record: LeaseRecord) -> bool:
+        return await self._write(record, create=True)
+
+    async def update(self, record: LeaseRecord) -> bool:
+        return await self._write(record, create=False)
+
+    async def _write(self, record: LeaseRecord, create: bool) -> bool:
+        metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
+        if record.version is not None:
+            metadata["resourceVersion"] = record.version  # the write's precondition
+        body: dict[str, Any] = {
+            "apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata,
+            "spec": {"holderIdentity": record.holder,
+                     "leaseDurationSeconds": record.lease_seconds,
+                     "acquireTime": record.acquired, "renewTime": record.renewed,
+                     "leaseTransitions": record.transitions}}
+        lease = _LEASE(**body)
+        metrics.API_WRITES.labels(verb="create" if create else "update", kind="Lease").inc()
+        try:
+            async with _translated():
+                if create:
+                    await self.client.create(lease)
+                else:
+                    await self.client.replace(lease)
+        except ApiFailure as err:
+            if err.code == 409:  # another candidate wrote first
+                return False
+            raise
+        return True

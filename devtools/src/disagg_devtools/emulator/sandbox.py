@@ -24,7 +24,8 @@ from disagg_devtools.emulator.server import ClusterEmulator, Readiness
 from disagg_devtools.waiting import wait_for
 
 # The watches kopf opens for our handlers; objects created before them would be missed.
-WATCHED = (PLURAL, "deployments", "statefulsets", "services", "configmaps")
+WATCHED = (PLURAL, "deployments", "statefulsets", "services", "configmaps", "networkpolicies",
+           "poddisruptionbudgets")
 
 
 def write_kubeconfig(path: Path, server_url: str, namespace: str = "default") -> Path:

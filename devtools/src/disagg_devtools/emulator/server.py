@@ -16,6 +16,7 @@ import datetime
 import itertools
 import json
 import re
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
@@ -42,13 +43,15 @@ STATEFULSET_MUTABLE = {"replicas", "ordinals", "template", "updateStrategy",
 KMOCK_HISTORY = 0
 
 
-@attrs.frozen
+@attrs.define
 class RequestRecord:
     method: str
     path: str
     action: str | None
     plural: str | None
     dry_run: bool = False
+    at: float = 0.0  # time.monotonic() when it arrived
+    served: bool = False  # answered, not cancelled (e.g. by its client dying)
 
     @property
     def is_write(self) -> bool:
@@ -177,6 +180,20 @@ def _scale_of(obj: dict[str, Any], paths: ScalePaths = WORKLOAD_SCALE) -> dict[s
                        "selector": selector}}
 
 
+def _check_precondition(current: dict[str, Any] | None, data: dict[str, Any],
+                        name: str | None) -> None:
+    """A write that names a resourceVersion applies only to that version (optimistic
+    concurrency: what leader election and every read-modify-write rely on)."""
+    wanted = (data.get("metadata") or {}).get("resourceVersion")
+    if current is None or not wanted:
+        return
+    if str(wanted) != str(current.get("metadata", {}).get("resourceVersion")):
+        raise kmock.KubernetesError(
+            status=409, reason="Conflict",
+            message=f"Operation cannot be fulfilled on {name!r}: the object has been "
+                    "modified; please apply your changes to the latest version and try again")
+
+
 def _rewrite(request: kmock.Request, **changes: Any) -> kmock.Request:
     """Change a parsed request in place: kmock tracks requests by identity, so no copies."""
     for name, value in changes.items():
@@ -219,6 +236,8 @@ class ClusterEmulator(KmockEmulator):
     printer_columns: dict[kmock.resource, list[dict[str, Any]]] = attrs.field(factory=dict)
     schemas: dict[kmock.resource, dict[str, Any]] = attrs.field(factory=dict)
     scale_paths: dict[kmock.resource, ScalePaths] = attrs.field(factory=dict)
+    # Seconds a write to these resources (by plural) waits before it is served.
+    write_delays: dict[str, float] = attrs.field(factory=dict)
     request_log: list[RequestRecord] = attrs.field(factory=list, init=False)
     _in_flight: set[int] = attrs.field(factory=set, init=False)
     _index: dict[Any, list[Any]] = attrs.field(factory=dict, init=False)
@@ -279,15 +298,22 @@ class ClusterEmulator(KmockEmulator):
 
     @override
     async def handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
-        self.request_log.append(RequestRecord(
+        record = RequestRecord(
             request.method.value if request.method else "", request.url.path,
             request.action.value if request.action else None,
             request.resource.plural if request.resource else None,
-            request.params.get("dryRun") == "All"))
+            request.params.get("dryRun") == "All", time.monotonic())
+        self.request_log.append(record)
         self._in_flight.add(id(request))
         self._trim_history()
+        plural = request.resource.plural if request.resource else None
+        delay = self.write_delays.get(plural or "", 0.0)
+        if delay and request.method not in (kmock.method.GET, None):
+            await asyncio.sleep(delay)  # a slow API server: tests can act mid-reconcile
         try:
-            return await self._route(request)
+            response = await self._route(request)
+            record.served = True
+            return response
         finally:
             self._in_flight.discard(id(request))
 
@@ -301,6 +327,8 @@ class ClusterEmulator(KmockEmulator):
     async def _route(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await self.serve_default(request)
+        if request.method == kmock.method.PUT and request.name and request.action is None:
+            _rewrite(request, action=kmock.action.UPDATE)  # a replace; kmock names none
         if request.subresource == "scale" and (request.resource.plural in WORKLOAD_PLURALS
                                                or request.resource in self.scale_paths):
             return await self._serve_scale(request)
@@ -365,9 +393,24 @@ class ClusterEmulator(KmockEmulator):
             return self._admit_change(request, res, current, after)
         data = request.data if isinstance(request.data, dict) else None
         is_apply = request.headers.get("Content-Type", "").startswith(APPLY_CONTENT_TYPE)
-        if request.method == kmock.method.PATCH and data is not None:
+        if request.method in (kmock.method.PATCH, kmock.method.PUT) and data is not None:
             key = (res, request.namespace, request.name)
             current = self._stored(key)
+            _check_precondition(current, data, request.name)
+        if request.method == kmock.method.PUT and data is not None:
+            # A replace: the body is the whole object; the server's own metadata stays.
+            if current is None:
+                raise kmock.KubernetesError(status=404, reason="NotFound",
+                                            message=f"{request.name!r} not found")
+            after = copy.deepcopy(data)
+            after["metadata"] = {**data.get("metadata", {}), **{
+                k: v for k, v in current.get("metadata", {}).items()
+                if k in ("uid", "creationTimestamp", "generation", "namespace", "name")}}
+            if "status" in current and self._has_status_subresource(res):
+                after["status"] = current["status"]
+            _rewrite(request, method=kmock.method.PATCH)
+            return self._admit_change(request, res, current, after)
+        if request.method == kmock.method.PATCH and data is not None:
             if is_apply and current is None:
                 return self._as_create(request, data)
             if current is None:
