@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,40 +19,18 @@ from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_record
 from disagg_devtools.processes import free_port
 
 from .conftest import in_private_network
+from .streamed import complete
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [" ".join(f"case {i} step {j} moves pages through the store" for j in range(12))
            for i in range(6)]
-TIMEOUT = aiohttp.ClientTimeout(total=120)
 MAX_REQUESTS = 400  # bounded: the load stops after the drains or at this count
 
 
 async def generate(session: aiohttp.ClientSession, url: str, model: str, text: str
                    ) -> tuple[int, list[int] | str]:
-    try:
-        return await _generate(session, url, model, text)
-    except (aiohttp.ClientError, TimeoutError) as err:
-        return 599, f"{type(err).__name__}: {err}"
-
-
-async def _generate(session: aiohttp.ClientSession, url: str, model: str, text: str
-                    ) -> tuple[int, list[int] | str]:
-    body = {"model": model, "prompt": text, "max_tokens": 8, "temperature": 0,
-            "stream": True, "return_token_ids": True}
-    async with session.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT) as response:
-        if response.status != 200:
-            return response.status, await response.text()
-        ids: list[int] = []
-        async for raw in response.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            event = json.loads(line.removeprefix("data:"))
-            if "error" in event:
-                return 500, str(event["error"])
-            for choice in event.get("choices", []):
-                ids += choice.get("token_ids") or []
-        return 200, ids
+    result = await complete(session, url, model, text)
+    return (200, result.ids) if result.status == 200 else (result.status, result.error)
 
 
 async def instances(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:

@@ -27,12 +27,16 @@ def test_config_from_file_and_extra_config(tmp_path: Path) -> None:
             config.local_buffer_size) == ("m:50051", 1024, 512)
     from_env = MooncakeConfig.load({}, environ={"MOONCAKE_CONFIG_PATH": str(path)})
     assert from_env.master_server_address == "m:50051"
+    # Masters in HA mode: found through etcd (one or several endpoints).
+    ha = MooncakeConfig.load({"master_server_address": "etcd://e1:2379;e2:2379"}, environ={})
+    assert ha.master_server_address == "etcd://e1:2379;e2:2379"
 
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"mooncake_config_path": "/nope.json"}, "mooncake_config_path points to /nope.json"),
     ({"master_server_address": "x:1", "protocol": "rdma"}, "rdma needs device_name"),
     ({"master_server_address": "x"}, "must be host:port"),
+    ({"master_server_address": "etcd://a:2379;b"}, "or etcd://host:port"),
     ({"master_server_address": "x:1", "global_segment_size": "1Gi"}, "number of bytes >= 0"),
     ({}, "master_server_address is not set"),
 ])

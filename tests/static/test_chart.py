@@ -117,3 +117,41 @@ async def test_helm_install_rejects_bad_values(cluster: Sandbox, tools: Path) ->
     assert result.returncode != 0
     assert "watchNamespaces" in result.stderr
     assert stored(cluster, "deployments") == []
+
+
+def _crd(group: str, kind: str, plural: str) -> dict[str, Any]:
+    return {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": f"{plural}.{group}"},
+            "spec": {"group": group, "scope": "Namespaced",
+                     "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+                     "versions": [{"name": "v1", "served": True, "storage": True,
+                                   "schema": {"openAPIV3Schema": {
+                                       "type": "object",
+                                       "x-kubernetes-preserve-unknown-fields": True}}}]}}
+
+
+async def test_monitoring_objects_only_where_the_prometheus_operator_is(
+        cluster: Sandbox, tools: Path) -> None:
+    await helm_install(cluster, tools)
+    assert not stored(cluster, "podmonitors")  # no monitoring.coreos.com CRDs here
+    (dashboard,) = [c for c in stored(cluster, "configmaps")
+                    if c["metadata"]["name"].endswith("-dashboard")]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["disagg-serving.json"])["uid"] == "disagg-serving"
+
+
+async def test_monitoring_objects_with_the_prometheus_operator(
+        cluster: Sandbox, tools: Path) -> None:
+    for kind, plural in (("ServiceMonitor", "servicemonitors"), ("PodMonitor", "podmonitors"),
+                         ("PrometheusRule", "prometheusrules")):
+        cluster.emulator.register_crd(_crd("monitoring.coreos.com", kind, plural))
+    await helm_install(cluster, tools)
+    (pod_monitor,) = stored(cluster, "podmonitors")
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} == {"http", "metrics"}
+    (service_monitor,) = stored(cluster, "servicemonitors")
+    assert service_monitor["spec"]["endpoints"][0]["honorLabels"] is True
+    (rule,) = stored(cluster, "prometheusrules")
+    alerts = {r["alert"] for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert alerts == {"DisaggNoHealthyDecode", "DisaggKVLoadFailuresRising",
+                      "DisaggStoreNearCapacity", "DisaggOperatorReconcileErrors"}

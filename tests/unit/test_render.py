@@ -245,3 +245,27 @@ def test_store_pods_hold_the_pool_and_engines_lend_nothing() -> None:
     with pytest.raises(InvalidSpecError, match="spec.store.replicas"):
         parse_spec({**doc["spec"], "store": {"replicas": 1},
                     "kvTransfer": {"connector": "NixlConnector"}})
+
+
+def test_masters_in_ha_mode_elect_a_leader_that_clients_find_through_etcd() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-mla-1p2d.yaml").read_text())
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in render(
+        Owner("x", "ns", "uid-0"), parse_spec({**doc["spec"], "mooncakeMaster": {"replicas": 3},
+                                                "store": {"replicas": 1}}), "img:1")}
+    master = objects[("Deployment", "x-mooncake-master")]
+    assert master["spec"]["replicas"] == 3
+    (container,) = master["spec"]["template"]["spec"]["containers"]
+    etcd = "x-etcd-client.ns.svc.cluster.local:2379"
+    for arg in ("--enable_ha=true", f"--etcd_endpoints={etcd}", "--cluster_id=ns.x",
+                "--rpc_address=$(POD_IP)"):
+        assert arg in container["args"]
+    # Leader or standby, a running master is ready: /health on the admin (metrics) port.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "metrics"}
+    config = json.loads(objects[("ConfigMap", "x-config")]["data"]["mooncake.json"])
+    assert config["master_server_address"] == f"etcd://{etcd}"
+    for workload in ("x-prefill", "x-decode", "x-proxy", "x-store"):
+        env = objects[("Deployment", workload)]["spec"]["template"]["spec"]["containers"][0][
+            "env"]
+        assert {"name": "MC_STORE_CLUSTER_ID", "value": "ns.x"} in env, workload
+    store = objects[("Deployment", "x-store")]["spec"]["template"]["spec"]["containers"][0]
+    assert f"--master_server_address=etcd://{etcd}" in store["args"]

@@ -109,10 +109,12 @@ class MooncakeConfig:
                 or self.metadata_server.startswith(("http://", "etcd://"))):
             raise ConfigError("metadata_server must be P2PHANDSHAKE, http://... or etcd://...; "
                               f"got {self.metadata_server!r}")
-        host, _, port = self.master_server_address.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError("master_server_address must be host:port, not "
-                              f"{self.master_server_address!r}")
+        for endpoint in master_endpoints(self.master_server_address):
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError("master_server_address must be host:port, or etcd://host:port"
+                                  "[;host:port...] for masters in HA mode, not "
+                                  f"{self.master_server_address!r}")
 
 
 @dataclass
@@ -240,11 +242,24 @@ def _failures(keys: Sequence[str], sizes: Sequence[int], results: Sequence[int]
     return failed
 
 
+def master_endpoints(address: str) -> list[str]:
+    """host:port of the master, or of the etcd through which masters in HA mode are found
+    (`etcd://a:2379;b:2379`: Mooncake's clients then follow the elected leader)."""
+    if address.startswith("etcd://"):
+        return [e for e in address.removeprefix("etcd://").split(";") if e]
+    return [address]
+
+
 def _check_reachable(address: str, timeout: float = 5.0) -> None:
-    """Fail in seconds with a clear message; Mooncake's own setup retries for about 90 s."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            pass
-    except OSError as err:
-        raise StoreError(f"connecting to the Mooncake master at {address} ({err})", -900) from None
+    """Fail in seconds with a clear message; Mooncake's own setup retries for about 90 s.
+    With masters in HA mode, one reachable etcd endpoint is enough."""
+    problems = []
+    for endpoint in master_endpoints(address):
+        host, _, port = endpoint.rpartition(":")
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                return
+        except OSError as err:
+            problems.append(f"{endpoint}: {err}")
+    raise StoreError(f"connecting to the Mooncake master at {address} "
+                     f"({'; '.join(problems)})", -900)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILE_SECONDS = Histogram(
     "disagg_operator_reconcile_duration_seconds",
@@ -22,6 +22,20 @@ API_WRITES = Counter(
     ["verb", "kind"],
 )
 
+INSTANCES = Gauge(
+    "disagg_operator_instances",
+    "Instances of one DisaggServing's role: desired, and ready (as its status shows them).",
+    ["namespace", "name", "role", "state"],
+)
+
+
+def observe_status(namespace: str, name: str, status: dict[str, object]) -> None:
+    for role in ("prefill", "decode", "proxy"):
+        counts = status.get(role)
+        if isinstance(counts, dict):
+            INSTANCES.labels(namespace, name, role, "desired").set(counts.get("replicas", 0))
+            INSTANCES.labels(namespace, name, role, "ready").set(counts.get("readyReplicas", 0))
+
 
 def forget(namespace: str, name: str) -> None:
     """Drop the per-object series of a deleted DisaggServing, so series do not grow forever."""
@@ -30,6 +44,7 @@ def forget(namespace: str, name: str) -> None:
             metric.remove(namespace, name)
         except KeyError:
             pass
-    for labels in list(RECONCILE_ERRORS._metrics):  # noqa: SLF001 - no public per-prefix removal
-        if labels[:2] == (namespace, name):
-            RECONCILE_ERRORS.remove(*labels)
+    for family in (RECONCILE_ERRORS, INSTANCES):
+        for labels in list(family._metrics):  # noqa: SLF001 - no public per-prefix removal
+            if labels[:2] == (namespace, name):
+                family.remove(*labels)

@@ -186,8 +186,15 @@ def build_plan(name: str, namespace: str, spec: DisaggServingSpec,
     etcd_endpoints = (addressing.etcd_endpoints(name) if etcd_managed
                       else tuple(spec.etcd.endpoints))
     uses_store = spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE
-    master = (addressing.mooncake_master(name, spec.mooncake_master.port)
-              if uses_store else None)
+    master_ha = uses_store and spec.mooncake_master.replicas > 1
+    if master_ha:  # clients find the elected master through etcd
+        master: str | None = "etcd://" + ";".join(etcd_endpoints)
+    else:
+        master = (addressing.mooncake_master(name, spec.mooncake_master.port)
+                  if uses_store else None)
+    # Masters in HA mode and their clients agree on the key their election writes.
+    store_env: tuple[tuple[str, EnvValue], ...] = (
+        (("MC_STORE_CLUSTER_ID", f"{namespace}.{name}"),) if master_ha else ())
     # Namespaced, so that DisaggServings sharing an external etcd never see each other.
     registry_prefix = f"/disagg/{namespace}/{name}/instances/"
     config_files: dict[str, str] = {}
@@ -198,14 +205,14 @@ def build_plan(name: str, namespace: str, spec: DisaggServingSpec,
     if etcd_managed:
         components.append(_etcd_component(name, spec))
     if uses_store:
-        components.append(_mooncake_master_component(spec))
+        components.append(_mooncake_master_component(spec, etcd_endpoints, store_env))
         if spec.store.replicas and master is not None:
-            components.append(_store_component(spec, master, etcd_endpoints))
+            components.append(_store_component(spec, master, etcd_endpoints, store_env))
     for role in VLLM_ROLES:
         components.append(_vllm_component(role, spec, etcd_endpoints, registry_prefix,
-                                          addressing))
+                                          addressing, store_env))
     components.append(_proxy_component(spec, etcd_endpoints, registry_prefix,
-                                       bool(config_files)))
+                                       bool(config_files), store_env))
     return Plan(name=name, etcd_endpoints=etcd_endpoints, etcd_managed=etcd_managed,
                 registry_prefix=registry_prefix, mooncake_master_address=master,
                 config_files=config_files, components=tuple(components),
@@ -327,7 +334,8 @@ def compatibility_fingerprint(spec: DisaggServingSpec) -> str:
 
 def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
                     etcd_endpoints: tuple[str, ...], registry_prefix: str,
-                    addressing: Addressing) -> Component:
+                    addressing: Addressing,
+                    store_env: tuple[tuple[str, EnvValue], ...] = ()) -> Component:
     role_spec: RoleSpec = getattr(spec, role)
     env: list[tuple[str, EnvValue]] = [
         ("POD_IP", PodIP()),
@@ -335,6 +343,7 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
         # vLLM hashes blocks with sha256 by default; a shared seed keeps xxhash (if chosen
         # through extraArgs) identical across instances too.
         ("PYTHONHASHSEED", "0"),
+        *store_env,
     ]
     if spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE:
         # The store's own address comes from POD_IP above (kvhelper.store).
@@ -386,7 +395,8 @@ def drain_command(grace_seconds: int) -> tuple[str, ...]:
 
 
 def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
-                     registry_prefix: str, has_store_config: bool) -> Component:
+                     registry_prefix: str, has_store_config: bool,
+                     store_env: tuple[tuple[str, EnvValue], ...] = ()) -> Component:
     port = spec.proxy.service.port
     # Keys reach the proxy only through its environment, from Secrets (kvhelper.proxy).
     env: list[tuple[str, EnvValue]] = []
@@ -400,7 +410,8 @@ def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
                         *(("--tokenizer-revision", model.revision) if model.revision else ()),
                         *(("--trust-remote-code",) if model.trust_remote_code else ()),
                         "--mooncake-config", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}")
-        env += [("POD_IP", PodIP()), ("PYTHONHASHSEED", "0"), ("HF_HOME", PROXY_CACHE_DIR)]
+        env += [("POD_IP", PodIP()), ("PYTHONHASHSEED", "0"), ("HF_HOME", PROXY_CACHE_DIR),
+                *store_env]
         if spec.hf_token_secret is not None:
             env.append(("HF_TOKEN", SecretKey.of(spec.hf_token_secret, "spec.hfTokenSecret")))
     if spec.proxy.api_key_secret is not None:
@@ -426,27 +437,40 @@ def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
                      resources=spec.proxy.resources, service_type=spec.proxy.service.type)
 
 
-def _mooncake_master_component(spec: DisaggServingSpec) -> Component:
+def _mooncake_master_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
+                               store_env: tuple[tuple[str, EnvValue], ...]) -> Component:
     master = spec.mooncake_master
-    main = Process(
-        name="mooncake-master",
-        command=("mooncake_master",
-                 "--rpc_address=0.0.0.0",
-                 f"--rpc_port={master.port}",
-                 f"--metrics_port={master.metrics_port}",
-                 f"--client_ttl={master.client_ttl_seconds}",
-                 f"--eviction_high_watermark_ratio={master.eviction.high_watermark_ratio}",
-                 f"--eviction_ratio={master.eviction.ratio}"),
-        ports=(("rpc", master.port), ("metrics", master.metrics_port)),
-        health_path=None,
-    )
-    # One master: Mooncake keeps objects in the master's memory, and two would split the store.
-    return Component(role=Role.MOONCAKE_MASTER, replicas=1, main=main,
+    common = (f"--rpc_port={master.port}",
+              f"--metrics_port={master.metrics_port}",
+              f"--client_ttl={master.client_ttl_seconds}",
+              f"--eviction_high_watermark_ratio={master.eviction.high_watermark_ratio}",
+              f"--eviction_ratio={master.eviction.ratio}")
+    if master.replicas == 1:
+        # One master: Mooncake keeps objects in the master's memory, and two independent
+        # ones would split the store.
+        main = Process(name="mooncake-master",
+                       command=("mooncake_master", "--rpc_address=0.0.0.0", *common),
+                       ports=(("rpc", master.port), ("metrics", master.metrics_port)),
+                       health_path=None)
+        return Component(role=Role.MOONCAKE_MASTER, replicas=1, main=main,
+                         resources=master.resources)
+    # HA: every master campaigns in etcd; the leader serves at the address it registers
+    # (its pod's), the others stand by. Ready means running, leader or not: the admin port's
+    # /health answers for both (the RPC port opens on the leader only).
+    cluster_id = dict(store_env)["MC_STORE_CLUSTER_ID"]
+    main = Process(name="mooncake-master",
+                   command=("mooncake_master", "--enable_ha=true",
+                            f"--etcd_endpoints={';'.join(etcd_endpoints)}",
+                            f"--cluster_id={cluster_id}", "--rpc_address=$(POD_IP)", *common),
+                   env=(("POD_IP", PodIP()),),
+                   ports=(("metrics", master.metrics_port), ("rpc", master.port)),
+                   health_path="/health")
+    return Component(role=Role.MOONCAKE_MASTER, replicas=master.replicas, main=main,
                      resources=master.resources)
 
 
-def _store_component(spec: DisaggServingSpec, master: str,
-                     etcd_endpoints: tuple[str, ...]) -> Component:
+def _store_component(spec: DisaggServingSpec, master: str, etcd_endpoints: tuple[str, ...],
+                     store_env: tuple[tuple[str, EnvValue], ...] = ()) -> Component:
     """Mooncake's standalone store client: it mounts its segment with the master and serves
     transfers from it, so the pool outlives every vLLM instance."""
     mooncake = spec.kv_transfer.mooncake
@@ -462,7 +486,7 @@ def _store_component(spec: DisaggServingSpec, master: str,
                  f"--port={STORE_RPC_PORT}",
                  "--enable_http_server=true",
                  f"--http_port={STORE_HTTP_PORT}"),
-        env=(("POD_IP", PodIP()),),
+        env=(("POD_IP", PodIP()), *store_env),
         ports=(("http", STORE_HTTP_PORT), ("rpc", STORE_RPC_PORT)),
         health_path="/health",
     )

@@ -168,6 +168,7 @@ class Reconciler:
                 time.perf_counter() - started)
         if result.error:
             metrics.RECONCILE_ERRORS.labels(namespace, name, _reason(result.status)).inc()
+        metrics.observe_status(namespace, name, result.status)
         return result
 
     async def _reconcile(self, body: Mapping[str, Any]) -> ReconcileResult:

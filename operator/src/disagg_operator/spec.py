@@ -295,6 +295,10 @@ class EvictionSpec(_Model):
 
 
 class MooncakeMasterSpec(_Model):
+    replicas: int = Field(
+        default=1, ge=1, le=5, description="Masters. Above 1: Mooncake's HA mode, with a "
+        "leader elected through the DisaggServing's etcd that the clients follow. Objects "
+        "the old leader knew are lost on a change of leader (the pages are recomputed).")
     port: int = Field(default=50051, ge=1, le=65535, description="RPC port.")
     metrics_port: int = Field(default=9003, ge=1, le=65535)
     client_ttl_seconds: int = Field(

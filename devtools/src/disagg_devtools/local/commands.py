@@ -83,7 +83,9 @@ def assign_ports(plan: Plan, addressing: LocalAddressing, proxy_port: int,
     """A local port per (role, replica, port name): the proxy's is given, the master's is the
     one the plan's mooncake.json already names, every other comes from `allocate`."""
     fixed = {("proxy", "http"): proxy_port, ("mooncake-master", "rpc"): addressing.master_port}
-    return {(c.role, replica, port_name): fixed.get((c.role, port_name)) or allocate()
+    # Only the first replica's: a second master (HA mode, found through etcd) needs its own.
+    return {(c.role, replica, port_name): (fixed.get((c.role, port_name)) if replica == 0
+                                           else None) or allocate()
             for c in plan.components for replica in range(c.replicas)
             for port_name, _ in c.main.ports}
 

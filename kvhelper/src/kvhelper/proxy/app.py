@@ -14,7 +14,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -22,7 +22,9 @@ import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
 from kvhelper.instances import Role
@@ -184,6 +186,25 @@ class Metrics:
         children[1].observe(seconds)
 
 
+class InstancesCollector(Collector):
+    """`disagg_proxy_instances{role,state}`: the instances the proxy knows, healthy or ejected,
+    read from the pool at scrape time (an alert fires on no healthy decode)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("disagg_proxy_instances",
+                                   "Instances the proxy routes to (healthy) or has ejected.",
+                                   labels=["role", "state"])
+        for role in ("prefill", "decode"):
+            members = self.pool.members(role)
+            healthy = sum(b.healthy for b in members)
+            family.add_metric([role, "healthy"], healthy)
+            family.add_metric([role, "ejected"], len(members) - healthy)
+        yield family
+
+
 class Proxy:
     def __init__(self, config: ProxyConfig, discovery: StaticDiscovery | EtcdDiscovery,
                  router: StoreRouter | None = None) -> None:
@@ -191,6 +212,7 @@ class Proxy:
         self.discovery = discovery
         self.pool = Pool(routing=config.routing, eject_after=config.eject_after)
         self.metrics = Metrics()
+        self.metrics.registry.register(InstancesCollector(self.pool))
         self.router = router
         self._hash_disagreement_logged: set[str] = set()
         self._slots = asyncio.Semaphore(config.max_concurrency)
