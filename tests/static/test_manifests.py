@@ -38,15 +38,92 @@ ACCEPTED = {
     "CKV_K8S_119": "as CKV_K8S_116",
     "CKV_K8S_38": "the operator's pod mounts its service account token: it talks to the API "
                   "(every serving pod has automountServiceAccountToken: false)",
-    "CKV2_K8S_6": "no NetworkPolicy is rendered yet: Mooncake moves KV between vLLM pods on "
-                  "dynamic ports and Prometheus scrapes them; users add policies",
 }
 
 
-def test_rendered_children_and_crd_validate_strictly(tools: Path) -> None:
+# The LeaderWorkerSet API (leaderworkerset.x-k8s.io/v1) as its documentation gives it, for the
+# fields the operator renders; the pod templates inside are checked as core PodTemplates.
+LEADER_WORKER_SET_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "leaderworkerset.x-k8s.io/v1"},
+        "kind": {"const": "LeaderWorkerSet"},
+        "metadata": {"type": "object", "required": ["name"]},
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["leaderWorkerTemplate"],
+            "properties": {
+                "replicas": {"type": "integer", "minimum": 0},
+                "startupPolicy": {"enum": ["LeaderCreated", "LeaderReady"]},
+                "rolloutStrategy": {
+                    "type": "object", "additionalProperties": False,
+                    "properties": {
+                        "type": {"enum": ["RollingUpdate"]},
+                        "rollingUpdateConfiguration": {
+                            "type": "object", "additionalProperties": False,
+                            "properties": {"maxUnavailable": {"type": ["integer", "string"]},
+                                           "maxSurge": {"type": ["integer", "string"]}}}}},
+                "leaderWorkerTemplate": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["workerTemplate"],
+                    "properties": {
+                        "size": {"type": "integer", "minimum": 1},
+                        "restartPolicy": {"enum": ["RecreateGroupOnPodRestart", "Default",
+                                                   "None"]},
+                        "leaderTemplate": {"type": "object"},
+                        "workerTemplate": {"type": "object"},
+                        "subGroupPolicy": {"type": "object"},
+                    },
+                },
+                "networkConfig": {"type": "object"},
+            },
+        },
+    },
+}
+
+
+def core_objects(tmp: Path) -> Path:
+    """The goldens' objects the core schemas cover: LeaderWorkerSets are checked against
+    LEADER_WORKER_SET_SCHEMA, and their pod templates become core PodTemplates."""
+    import jsonschema
+    import yaml
+
+    core = []
+    for path in GOLDEN:
+        for obj in yaml.safe_load_all(path.read_text()):
+            if obj["kind"] != "LeaderWorkerSet":
+                core.append(obj)
+                continue
+            jsonschema.validate(obj, LEADER_WORKER_SET_SCHEMA)
+            group = obj["spec"]["leaderWorkerTemplate"]
+            for part in ("leaderTemplate", "workerTemplate"):
+                core.append({"apiVersion": "v1", "kind": "PodTemplate",
+                             "metadata": {"name": f"{obj['metadata']['name']}-{part.lower()}",
+                                          "namespace": obj["metadata"]["namespace"]},
+                             "template": group[part]})
+    out = tmp / "core.yaml"
+    out.write_text(yaml.safe_dump_all(core, sort_keys=False))
+    return out
+
+
+def test_rendered_children_and_crd_validate_strictly(tools: Path, tmp_path: Path) -> None:
     result = run(tools / "kubernetes-validate", "--strict", "--quiet", "-k", KUBERNETES_VERSION,
-                 *GOLDEN, ROOT / "crds" / "disaggserving.yaml")
+                 core_objects(tmp_path), ROOT / "crds" / "disaggserving.yaml")
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_leader_worker_set_outside_its_documented_api_is_refused(tmp_path: Path) -> None:
+    import jsonschema
+    import yaml
+
+    lws = next(o for o in yaml.safe_load_all((ROOT / "tests/golden/kimi-k2.yaml").read_text())
+               if o["kind"] == "LeaderWorkerSet")
+    lws["spec"]["leaderWorkerTemplate"]["restartPolicy"] = "Always"  # not an LWS policy
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(lws, LEADER_WORKER_SET_SCHEMA)
 
 
 def test_chart_manifests_validate_strictly(tools: Path, chart_manifests: Path) -> None:

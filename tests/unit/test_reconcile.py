@@ -68,9 +68,13 @@ class RecordingApi:
     """A stand-in for the Kubernetes API (named as such): children as applied, status
     patches recorded. The emulator-backed tests in tests/integration use the real path."""
 
-    def __init__(self) -> None:
+    def __init__(self, serves: frozenset[str] = frozenset({"LeaderWorkerSet"})) -> None:
         self.children: dict = {}
         self.status_patches: list[dict] = []
+        self.served = serves  # add-on kinds the cluster has
+
+    async def serves(self, kind: str, namespace: str) -> bool:
+        return kind in self.served
 
     async def list_children(self, owner):  # noqa: ANN001, ANN201
         return dict(self.children)
@@ -128,3 +132,21 @@ async def test_the_reconciler_says_when_to_look_again() -> None:
     reconciler = Reconciler(RecordingApi(), EtcdHealthChecker(timeout=0.1), "img:1",  # type: ignore[arg-type]
                             clock=lambda: "t", resync_seconds=60.0, not_ready_resync_seconds=3.0)
     assert (await reconciler.reconcile(body)).requeue_after == 3.0
+
+
+async def test_a_multi_node_instance_without_leaderworkerset_applies_nothing() -> None:
+    from disagg_operator.etcd_health import EtcdHealthChecker
+    from disagg_operator.reconcile import Reconciler
+
+    body = {"metadata": {"name": "x", "namespace": "default", "uid": "u3", "generation": 1},
+            "spec": {"model": {"name": "m"}, "decode": {"tensorParallelSize": 16,
+                                                        "nodesPerInstance": 2}}}
+    api = RecordingApi(serves=frozenset())
+    reconciler = Reconciler(api, EtcdHealthChecker(timeout=0.1), "img:1",  # type: ignore[arg-type]
+                            clock=lambda: "t")
+    result = await reconciler.reconcile(body)
+    ready = next(c for c in result.status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "LeaderWorkerSetMissing")
+    assert "install the LeaderWorkerSet controller" in ready["message"]
+    assert api.children == {} and result.applied == []
+    assert [e.reason for e in result.events] == ["LeaderWorkerSetMissing"]

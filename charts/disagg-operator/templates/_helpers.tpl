@@ -50,6 +50,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Instances spanning nodes (nodesPerInstance > 1), where the LeaderWorkerSet CRD is installed.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Pods only listed: their container states say why an instance keeps failing.
 - apiGroups: [""]
   resources: ["pods"]

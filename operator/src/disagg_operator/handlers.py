@@ -215,6 +215,8 @@ async def disaggserving_changed(body: kopf.Body, uid: str, memo: kopf.Memo,
                labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry)
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_MANAGED_BY: MANAGED_BY},
                registry=registry)
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets",
+               labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry)
 async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     board: WakeBoard = memo.context.wakeboard
     for ref in body.get("metadata", {}).get("ownerReferences") or []:

@@ -31,7 +31,11 @@ _RESOURCES = {
                                                 "networkpolicies"),
     "PodDisruptionBudget": create_namespaced_resource("policy", "v1", "PodDisruptionBudget",
                                                       "poddisruptionbudgets"),
+    "LeaderWorkerSet": create_namespaced_resource("leaderworkerset.x-k8s.io", "v1",
+                                                  "LeaderWorkerSet", "leaderworkersets"),
 }
+# Kinds a cluster serves only with an add-on installed (their CRD): listed only if served.
+OPTIONAL_KINDS = ("LeaderWorkerSet",)
 _POD = create_namespaced_resource("", "v1", "Pod", "pods")
 # The kinds render() produces, i.e. every kind the operator may need to prune.
 CHILD_KINDS = tuple(_RESOURCES)
@@ -54,6 +58,7 @@ class ApiFailure(Exception):
 
 
 class ClusterApi(Protocol):
+    async def serves(self, kind: str, namespace: str) -> bool: ...
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]: ...
     async def list_pods(self, owner: Owner) -> list[Manifest]: ...
     async def apply(self, manifest: Manifest, dry_run: bool = False) -> Manifest: ...
@@ -76,9 +81,25 @@ class LightkubeApi:
                 _POD, namespace=owner.namespace, labels=dict(owned_labels(owner.name)))]
         return pods
 
+    async def serves(self, kind: str, namespace: str) -> bool:
+        """Whether the API server serves this kind (an add-on's CRD is installed): a list in
+        the namespace the operator works in answers 404 when it does not."""
+        try:
+            async with _translated():
+                async for _ in self.client.list(_RESOURCES[kind], namespace=namespace,
+                                                chunk_size=1):
+                    break
+        except ApiFailure as err:
+            if err.code == 404:
+                return False
+            raise
+        return True
+
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]:
         found: dict[ChildKey, Manifest] = {}
         for kind, resource in _RESOURCES.items():
+            if kind in OPTIONAL_KINDS and not await self.serves(kind, owner.namespace):
+                continue
             async with _translated():
                 labels: dict[str, Any] = dict(owned_labels(owner.name))
                 async for item in self.client.list(resource, namespace=owner.namespace,

@@ -38,6 +38,10 @@ ANNOTATION_COMPAT = "serving.disagg.dev/compatibility"
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
 STORE_HTTP_PORT = 9300  # the store pod's /health and /metrics
+MULTI_NODE_PORT = 29500  # where an instance's node-rank 0 gathers its other nodes
+# Set by the LeaderWorkerSet controller in every pod of a group.
+LWS_WORKER_INDEX = "LWS_WORKER_INDEX"
+LWS_LEADER_ADDRESS = "LWS_LEADER_ADDRESS"
 STORE_RPC_PORT = 50052
 
 
@@ -131,6 +135,9 @@ class Component:
     # Its instance count is set by an external scaler (HPA, KEDA) through the workload's
     # /scale; `replicas` is then only where a runner without one starts.
     scaled_externally: bool = False
+    # An instance spanning nodes: `nodes` pods, the first running `main`, the others `worker`.
+    nodes: int = 1
+    worker: Process | None = None
 
 
 @dataclass(frozen=True)
@@ -295,6 +302,18 @@ def vllm_args(role: VLLMRole, spec: DisaggServingSpec) -> tuple[str, ...]:
         "--tensor-parallel-size", str(role_spec.tensor_parallel_size),
         "--gpu-memory-utilization", str(role_spec.gpu_memory_utilization),
     ]
+    if role_spec.data_parallel_size > 1:
+        args += ["--data-parallel-size", str(role_spec.data_parallel_size)]
+    if role_spec.expert_parallel:
+        args.append("--enable-expert-parallel")
+    if role_spec.nodes_per_instance > 1:
+        # vLLM's multiprocessing multi-node mode: one set of flags for TP and for DP (and EP)
+        # across nodes, no Ray. The LeaderWorkerSet controller puts the group's leader address
+        # and this pod's index in its environment.
+        args += ["--nnodes", str(role_spec.nodes_per_instance),
+                 "--node-rank", f"$({LWS_WORKER_INDEX})",
+                 "--master-addr", f"$({LWS_LEADER_ADDRESS})",
+                 "--master-port", str(MULTI_NODE_PORT)]
     if model.revision:
         args += ["--revision", model.revision]
     if model.trust_remote_code:
@@ -357,9 +376,16 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
         env.append(("VLLM_API_KEY",
                     SecretKey.of(spec.vllm_api_key_secret, "spec.vllmApiKeySecret")))
     grace = role_spec.termination_grace_period_seconds
-    main = Process(name="vllm", command=vllm_args(role, spec), env=tuple(env),
-                   ports=(("http", VLLM_PORT),), health_path="/health",
-                   pre_stop=drain_command(grace))
+    command = vllm_args(role, spec)
+    multi_node = role_spec.nodes_per_instance > 1
+    main = Process(name="vllm", command=command, env=tuple(env),
+                   ports=(("http", VLLM_PORT),
+                          *((("dist", MULTI_NODE_PORT),) if multi_node else ())),
+                   health_path="/health", pre_stop=drain_command(grace))
+    # The other nodes of a multi-node instance: its remaining ranks, no API server (so no
+    # probes and no registrar: the leader is the instance).
+    worker = Process(name="vllm", command=(*command, "--headless"),
+                     env=tuple(env)) if multi_node else None
     registrar = Process(
         name="registrar",
         command=(
@@ -378,6 +404,7 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
     compat = ",".join(f"{k}={v}" for k, v in compatibility_labels(spec).items())
     return Component(role=role, replicas=role_spec.replicas, main=main,
                      scaled_externally=spec.autoscaling.mode == "External",
+                     nodes=role_spec.nodes_per_instance, worker=worker,
                      sidecars=(registrar,), role_spec=role_spec,
                      reads_config=spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE,
                      add_capabilities=(("IPC_LOCK",) if spec.kv_transfer.mooncake.protocol

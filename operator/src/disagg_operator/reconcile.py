@@ -21,7 +21,7 @@ from disagg_operator import metrics
 from disagg_operator.association import PROXY, Owner, child_name, name_problem
 from disagg_operator.autoscaler import Autoscaler, with_replicas
 from disagg_operator.etcd_health import EtcdHealthChecker
-from disagg_operator.kube import ApiFailure, ChildKey, ClusterApi
+from disagg_operator.kube import OPTIONAL_KINDS, ApiFailure, ChildKey, ClusterApi
 from disagg_operator.plan import ClusterAddressing, Plan, build_plan
 from disagg_operator.quantity import parse_quantity
 from disagg_operator.render import Manifest, render
@@ -202,6 +202,15 @@ class Reconciler:
                           ClusterAddressing(owner.namespace, self.cluster_domain))
         desired = [with_applied_hash(m) for m in render(owner, plan, self.default_image,
                                                           self.operator_namespace)]
+        if missing := await self._missing_kinds(desired, owner.namespace):
+            message = (f"{', '.join(missing)} is not served by this cluster: instances with "
+                       "nodesPerInstance above 1 are LeaderWorkerSet groups; install the "
+                       "LeaderWorkerSet controller, or set prefill and decode nodesPerInstance "
+                       "to 1")
+            status = invalid_spec_status(previous, generation, message, self.clock(),
+                                         reason="LeaderWorkerSetMissing")
+            return await self._finish(owner, seen, previous,
+                                      ReconcileResult(status=status, error=message))
         result = ReconcileResult(status={})
         observed: dict[ChildKey, Manifest] = {}
         target = "children"
@@ -256,6 +265,13 @@ class Reconciler:
         if planner_due is not None:
             result.requeue_after = min(result.requeue_after, planner_due)
         return result
+
+    async def _missing_kinds(self, desired: list[Manifest], namespace: str) -> list[str]:
+        kinds = sorted({m["kind"] for m in desired} & set(OPTIONAL_KINDS))
+        try:
+            return [kind for kind in kinds if not await self.api.serves(kind, namespace)]
+        except ApiFailure:
+            return []  # unknown: the apply below reports what the API server says
 
     def _endpoint(self, owner: Owner, plan: Plan) -> str:
         host = ClusterAddressing(owner.namespace, self.cluster_domain).service_host(

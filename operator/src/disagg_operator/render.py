@@ -25,12 +25,15 @@ from disagg_operator.association import (
 )
 from disagg_operator.plan import Role
 from disagg_operator.render_isolation import render_isolation
-from disagg_operator.spec import DisaggServingSpec, RoleSpec
+from disagg_operator.spec import DisaggServingSpec, RoleSpec, gpus_per_pod
 
 # A hash of the config files a pod reads (mooncake.json): a change rolls the pods, which
 # otherwise would keep the settings they started with while the ConfigMap says otherwise.
 ANNOTATION_CONFIG_HASH = "serving.disagg.dev/config-hash"
 GPU_RESOURCE = "nvidia.com/gpu"
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+# The LeaderWorkerSet controller's label on each pod of a group: "0" is the leader.
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 NONROOT_UID = 1000
 
 Manifest = dict[str, Any]
@@ -81,6 +84,8 @@ def _render_component(owner: Owner, plan: plans.Plan, component: plans.Component
     if role == Role.ETCD:
         return _render_etcd(owner, plan, component)
     pod = _pod_template(owner, plan, component, image)
+    if component.nodes > 1:
+        return _render_group(owner, plan, component, image, pod)
     workload_spec: dict[str, Any] = {
         "replicas": component.replicas,
         "selector": {"matchLabels": selector_labels(owner.name, role)},
@@ -99,10 +104,39 @@ def _render_component(owner: Owner, plan: plans.Plan, component: plans.Component
     return [workload, service]
 
 
+def _render_group(owner: Owner, plan: plans.Plan, component: plans.Component, image: str,
+                  leader: dict[str, Any]) -> list[Manifest]:
+    """Instances spanning nodes: a LeaderWorkerSet, one group of `nodes` pods per instance.
+    A pod that restarts takes its group with it (the ranks cannot rejoin a running instance);
+    only the leader serves, is probed and registers."""
+    name = child_name(owner.name, component.role)
+    group: dict[str, Any] = {
+        "replicas": component.replicas,
+        "startupPolicy": "LeaderCreated",
+        "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
+            "maxUnavailable": 1, "maxSurge": 0}},
+        "leaderWorkerTemplate": {
+            "size": component.nodes,
+            "restartPolicy": "RecreateGroupOnPodRestart",
+            "leaderTemplate": leader,
+            "workerTemplate": _pod_template(owner, plan, component, image, worker=True),
+        },
+    }
+    if component.scaled_externally:
+        del group["replicas"]
+    workload = {"apiVersion": f"{LWS_GROUP}/v1", "kind": "LeaderWorkerSet",
+                "metadata": child_meta(owner, name, component.role), "spec": group}
+    service = _service(owner, name, component, headless=True, leaders_only=True)
+    return [workload, service]
+
+
 def _service(owner: Owner, name: str, component: plans.Component, *, headless: bool,
-             service_type: str = "ClusterIP") -> Manifest:
+             service_type: str = "ClusterIP", leaders_only: bool = False) -> Manifest:
+    selector = selector_labels(owner.name, component.role)
+    if leaders_only:
+        selector = {**selector, LWS_WORKER_INDEX_LABEL: "0"}
     service_spec: dict[str, Any] = {
-        "selector": selector_labels(owner.name, component.role),
+        "selector": selector,
         "ports": [{"name": port_name, "port": port, "targetPort": port_name, "protocol": "TCP"}
                   for port_name, port in component.main.ports],
     }
@@ -166,22 +200,26 @@ def _container(process: plans.Process, image: str, pull_policy: str,
 
 
 def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
-                  image: str) -> dict[str, Any]:
+                  image: str, worker: bool = False) -> dict[str, Any]:
+    """A pod of the component; `worker`: one of a multi-node instance's other nodes (its
+    headless ranks: no API server, so no probes, no registrar and no drain hook)."""
     role = component.role
     role_spec = component.role_spec
-    main = _container(component.main, image, plan.image_pull_policy, _container_security(
+    process = component.worker if worker and component.worker else component.main
+    main = _container(process, image, plan.image_pull_policy, _container_security(
         # vLLM and torch write compile caches under the home directory.
         read_only=not role.is_vllm, add_caps=component.add_capabilities))
     volumes: list[dict[str, Any]] = []
     annotations: dict[str, str] = {}
     mounts: list[dict[str, Any]] = []
-    if component.main.ports:
-        main["readinessProbe"] = _probe(component.main, period=5, failures=3)
-        main["livenessProbe"] = _probe(component.main, period=15, failures=4)
+    if process.ports:
+        main["readinessProbe"] = _probe(process, period=5, failures=3)
+        main["livenessProbe"] = _probe(process, period=15, failures=4)
     containers = [main]
     if role_spec is not None:
-        # Loading weights can take many minutes: the startup probe holds liveness off until then.
-        main["startupProbe"] = _probe(component.main, period=10, failures=180)
+        if process.ports:
+            # Loading weights can take many minutes: the startup probe holds liveness off.
+            main["startupProbe"] = _probe(process, period=10, failures=180)
         # A refused configuration (e.g. the connector's) ends in the log: the operator quotes
         # it in the status's Degraded condition.
         main["terminationMessagePolicy"] = "FallbackToLogsOnError"
@@ -205,7 +243,7 @@ def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
         volumes.append({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}})
     if mounts:
         main["volumeMounts"] = mounts
-    for sidecar in component.sidecars:
+    for sidecar in () if worker else component.sidecars:
         side = _container(sidecar, image, plan.image_pull_policy,
                           _container_security(read_only=True))
         side["resources"] = {"requests": {"cpu": "10m", "memory": "64Mi"},
@@ -252,7 +290,7 @@ def config_hash(files: dict[str, str]) -> str:
 def _vllm_resources(role_spec: RoleSpec) -> dict[str, Any]:
     if role_spec.resources:
         return copy.deepcopy(role_spec.resources)
-    gpus = role_spec.tensor_parallel_size
+    gpus = gpus_per_pod(role_spec)
     return {"limits": {GPU_RESOURCE: gpus}, "requests": {GPU_RESOURCE: gpus}}
 
 

@@ -192,6 +192,11 @@ MANAGED_VLLM_FLAGS = {
     "--kv-cache-dtype": "spec.model.kvCacheDtype",
     "--trust-remote-code": "spec.model.trustRemoteCode",
     "--tensor-parallel-size": "tensorParallelSize", "-tp": "tensorParallelSize",
+    "--data-parallel-size": "dataParallelSize", "-dp": "dataParallelSize",
+    "--enable-expert-parallel": "expertParallel", "-ep": "expertParallel",
+    "--nnodes": "nodesPerInstance", "--node-rank": "nodesPerInstance",
+    "--master-addr": "nodesPerInstance", "--master-port": "nodesPerInstance",
+    "--headless": "nodesPerInstance",
     "--gpu-memory-utilization": "gpuMemoryUtilization",
     "--kv-transfer-config": "spec.kvTransfer", "--host": "the pod (fixed)",
     "--port": "the pod (fixed)",
@@ -207,7 +212,21 @@ class RoleSpec(_Model):
     """A vLLM role (prefill or decode)."""
 
     replicas: int = Field(default=1, ge=0, description="Number of vLLM instances.")
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="GPUs per instance.")
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64,
+                                      description="Tensor-parallel ranks per data-parallel rank.")
+    data_parallel_size: int = Field(
+        default=1, ge=1, le=256, description="Data-parallel ranks of one instance, each with "
+        "its own scheduler and KV cache (vLLM balances requests across them).")
+    expert_parallel: bool = Field(
+        default=False, description="Spread MoE experts over the instance's TP x DP ranks "
+        "(vLLM's --enable-expert-parallel), as wide-EP DeepSeek and Kimi deployments do.")
+    nodes_per_instance: int = Field(
+        default=1, ge=1, le=64, description="Nodes one instance spans. Above 1 each instance "
+        "is a LeaderWorkerSet group of this many pods (the LeaderWorkerSet controller must "
+        "be installed): the leader runs the API server, the others its remaining ranks.")
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, le=64, description="GPUs per pod; default: TP x DP / "
+        "nodesPerInstance. Given, it must equal that (a check of the sizes).")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     resources: dict[str, Any] | None = _passthrough(
         "Container resources; default: nvidia.com/gpu = tensorParallelSize.", _K8S_OBJECT)
@@ -528,6 +547,8 @@ def parse_spec(raw: dict[str, Any] | None) -> DisaggServingSpec:
         where = ".".join(str(part) for part in first["loc"])
         raise InvalidSpecError(where, _humanize(first)) from None
     check_kv_heads(spec)
+    for role in ("prefill", "decode"):
+        check_parallel_layout(role, getattr(spec, role))
     if spec.proxy.store_routing and spec.kv_transfer.implementation == "vllm":
         raise InvalidSpecError("proxy.storeRouting", (
             "the proxy computes the kvhelper connector's store keys, and "
@@ -554,6 +575,33 @@ def store_routing(spec: DisaggServingSpec) -> bool:
     if spec.proxy.store_routing is not None:
         return spec.proxy.store_routing
     return spec.kv_transfer.load_failure_policy == "Recompute"
+
+
+def gpus_per_pod(role_spec: RoleSpec) -> int:
+    """GPUs each pod of an instance holds: its ranks (TP x DP) over its nodes."""
+    world = role_spec.tensor_parallel_size * role_spec.data_parallel_size
+    return world // role_spec.nodes_per_instance
+
+
+def check_parallel_layout(role: str, role_spec: RoleSpec) -> None:
+    """An instance's ranks must fill its nodes evenly (vLLM's own multi-node check)."""
+    tp, dp = role_spec.tensor_parallel_size, role_spec.data_parallel_size
+    nodes, world = role_spec.nodes_per_instance, tp * dp
+    if world % nodes:
+        raise InvalidSpecError(f"{role}.nodesPerInstance", (
+            f"{nodes} nodes cannot hold TP {tp} x DP {dp} = {world} ranks evenly: pick a "
+            f"node count that divides {world}, or change tensorParallelSize/dataParallelSize"))
+    per_node = world // nodes
+    if per_node % tp and tp % per_node:
+        raise InvalidSpecError(f"{role}.nodesPerInstance", (
+            f"each node would hold {per_node} ranks, which splits TP groups of {tp} unevenly "
+            "across nodes: make the ranks per node a multiple or a divisor of "
+            "tensorParallelSize"))
+    given = role_spec.gpus_per_node
+    if given is not None and given != world // nodes:
+        raise InvalidSpecError(f"{role}.gpusPerNode", (
+            f"TP {tp} x DP {dp} over {nodes} node(s) needs {world // nodes} GPUs per node, "
+            f"not {given}: fix gpusPerNode or the parallel sizes"))
 
 
 def check_kv_heads(spec: DisaggServingSpec) -> None:

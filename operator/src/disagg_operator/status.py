@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg_operator.association import LABEL_COMPONENT, LABEL_INSTANCE
 from disagg_operator.etcd_health import EtcdHealth
 from disagg_operator.plan import Role
 from disagg_operator.render import Manifest
@@ -17,7 +18,9 @@ from disagg_operator.render import Manifest
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
-WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
+# Workloads whose status has no observedGeneration (its controller does not report one).
+WITHOUT_OBSERVED_GENERATION = ("LeaderWorkerSet",)
 # The roles a client request needs; each must have at least one ready instance.
 SERVING_ROLES = (Role.PREFILL, Role.DECODE, Role.PROXY)
 
@@ -98,7 +101,8 @@ def workload_state(role: str, desired: Manifest, live: Manifest | None) -> Workl
     status = live.get("status") or {}
     generation = live.get("metadata", {}).get("generation")
     observed_generation = status.get("observedGeneration")
-    seen_latest = generation is None or (observed_generation or 0) >= generation
+    seen_latest = generation is None or (observed_generation or 0) >= generation or (
+        observed_generation is None and live.get("kind") in WITHOUT_OBSERVED_GENERATION)
     ready = int(status.get("readyReplicas") or 0)
     updated = int(status.get("updatedReplicas") or 0)
     total = int(status.get("replicas") or 0)
@@ -119,7 +123,7 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
                                 obs.observed.get((d["kind"], d["metadata"]["name"])))
                  for d in obs.desired if d["kind"] in WORKLOAD_KINDS]
     by_role = {w.role: w for w in workloads}
-    selectors = {obs.roles[d["metadata"]["name"]]: d["spec"]["selector"]["matchLabels"]
+    selectors = {obs.roles[d["metadata"]["name"]]: pod_selector(d)
                  for d in obs.desired if d["kind"] in WORKLOAD_KINDS}
     status: dict[str, Any] = {"observedGeneration": obs.generation}
     for role in SERVING_ROLES:
@@ -188,6 +192,16 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
     return status
 
 
+def pod_selector(workload: Manifest) -> dict[str, str]:
+    """The labels that select a workload's pods (a LeaderWorkerSet has no selector field;
+    its pods carry the same instance and component labels)."""
+    selector = (workload["spec"].get("selector") or {}).get("matchLabels")
+    if selector:
+        return dict(selector)
+    labels = workload["metadata"]["labels"]
+    return {key: labels[key] for key in (LABEL_INSTANCE, LABEL_COMPONENT)}
+
+
 def autoscaling_status(decided: Mapping[str, Any],
                        workloads: Mapping[str, WorkloadState]) -> dict[str, Any]:
     """The autoscaler's section with each role's instances now (ready) and, where an external
@@ -205,14 +219,15 @@ def autoscaling_status(decided: Mapping[str, Any],
 
 
 def invalid_spec_status(previous: dict[str, Any], generation: int, message: str,
-                        now: str) -> dict[str, Any]:
-    """Keep what was observed before; mark the spec as the reason nothing changes."""
+                        now: str, reason: str = "InvalidSpec") -> dict[str, Any]:
+    """Keep what was observed before; mark the spec (or what the cluster lacks for it, in
+    `reason`) as the reason nothing changes."""
     status = {k: v for k, v in previous.items() if k != "conditions"}
     status["observedGeneration"] = generation
     status["conditions"] = merge_conditions(previous.get("conditions") or [], [
-        (READY, "False", "InvalidSpec", message),
-        (PROGRESSING, "False", "InvalidSpec", "nothing is applied until the spec is fixed"),
-        (DEGRADED, "True", "InvalidSpec", message),
+        (READY, "False", reason, message),
+        (PROGRESSING, "False", reason, "nothing is applied until this is fixed"),
+        (DEGRADED, "True", reason, message),
     ], generation, now)
     return status
 
@@ -279,7 +294,8 @@ def transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpe
         if after["status"] == "True":
             if before is None or before["status"] != "True":  # not for Serving <-> All...
                 events.append(EventSpec("Normal", "Ready", after["message"]))
-        elif after["reason"] in ("InvalidSpec", "ApplyFailed", "EtcdUnhealthy"):
+        elif after["reason"] in ("InvalidSpec", "ApplyFailed", "EtcdUnhealthy",
+                                 "LeaderWorkerSetMissing"):
             events.append(EventSpec("Warning", after["reason"], after["message"]))
         elif before is not None and before["status"] == "True":
             events.append(EventSpec("Warning", "NotReady", after["message"]))
@@ -294,7 +310,7 @@ def transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpe
             events.append(EventSpec("Normal", "Scaled", f"{role} scaled from {was} to {now}"))
     deg_before, deg_after = condition(old, DEGRADED), condition(new, DEGRADED)
     if deg_after and deg_after["status"] == "True" and deg_after["reason"] not in (
-            "InvalidSpec", "ApplyFailed", "EtcdUnhealthy") and (
+            "InvalidSpec", "ApplyFailed", "EtcdUnhealthy", "LeaderWorkerSetMissing") and (
             deg_before is None or deg_before["status"] != "True"):
         events.append(EventSpec("Warning", "Degraded", deg_after["message"]))
     return events

@@ -34,7 +34,10 @@ from disagg_devtools.emulator.kmock_adapter import KmockEmulator, raw_request
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
 NAMESPACES = kmock.resource("", "v1", "namespaces")
-WORKLOAD_PLURALS = ("deployments", "statefulsets")
+# Workloads whose controllers the emulator stands in for, by plural: their API group.
+WORKLOAD_GROUPS = {"deployments": "apps", "statefulsets": "apps",
+                   "leaderworkersets": "leaderworkerset.x-k8s.io"}
+WORKLOAD_PLURALS = tuple(WORKLOAD_GROUPS)
 STATEFULSET_MUTABLE = {"replicas", "ordinals", "template", "updateStrategy",
                        "persistentVolumeClaimRetentionPolicy", "minReadySeconds"}
 # kmock matches every request against its whole request history (quadratic over a long run);
@@ -565,8 +568,9 @@ class ClusterEmulator(KmockEmulator):
 
     async def set_workload_ready(self, plural: str, namespace: str | None, name: str,
                                  ready: int | None = None) -> None:
-        """Report a Deployment/StatefulSet rolled out with `ready` (default: all) replicas."""
-        res = kmock.resource("apps", "v1", plural)
+        """Report a Deployment/StatefulSet/LeaderWorkerSet rolled out with `ready` (default:
+        all) replicas (for a LeaderWorkerSet: groups)."""
+        res = kmock.resource(WORKLOAD_GROUPS[plural], "v1", plural)
         key = (res, namespace, name)
         obj = self._stored(key)
         if obj is None:
@@ -582,6 +586,12 @@ class ClusterEmulator(KmockEmulator):
                 {"type": "Available", "status": "True" if count >= replicas else "False",
                  "reason": "MinimumReplicasAvailable"},
                 {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]
+        elif plural == "leaderworkersets":
+            # Its controller reports no observedGeneration, and groups rather than pods.
+            del status["observedGeneration"], status["availableReplicas"]
+            status["conditions"] = [
+                {"type": "Available", "status": "True" if count >= replicas else "False",
+                 "reason": "AllGroupsReady"}]
         else:
             revision = f"{obj['metadata']['name']}-{obj['metadata'].get('generation', 1)}"
             status.update(currentReplicas=replicas, currentRevision=revision,

@@ -99,6 +99,11 @@ def local_processes(plan: Plan, ports: Ports, config_dir: Path,
     for component in plan.components:
         if component.role in skip_roles:
             continue
+        if component.nodes > 1:
+            raise LocalPlanError(
+                f"spec.{component.role}.nodesPerInstance is {component.nodes}: an instance "
+                "spanning nodes runs on Kubernetes (a LeaderWorkerSet group); set it to 1 "
+                "to run here")
         for replica in range(component.replicas):
             mapping = {container: ports[(component.role, replica, port_name)]
                        for port_name, container in component.main.ports}
