@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -269,3 +270,74 @@ def test_masters_in_ha_mode_elect_a_leader_that_clients_find_through_etcd() -> N
         assert {"name": "MC_STORE_CLUSTER_ID", "value": "ns.x"} in env, workload
     store = objects[("Deployment", "x-store")]["spec"]["template"]["spec"]["containers"][0]
     assert f"--master_server_address=etcd://{etcd}" in store["args"]
+
+
+def _pods(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Pod templates by workload (a LeaderWorkerSet's as NAME/leader and NAME/worker)."""
+    pods = {}
+    for obj in render(Owner("x", "default", "uid-0"), parse_spec(spec), "img:1"):
+        if obj["kind"] == "Deployment":
+            pods[obj["metadata"]["name"]] = obj["spec"]["template"]
+        if obj["kind"] == "LeaderWorkerSet":
+            group = obj["spec"]["leaderWorkerTemplate"]
+            pods[f"{obj['metadata']['name']}/leader"] = group["leaderTemplate"]
+            pods[f"{obj['metadata']['name']}/worker"] = group["workerTemplate"]
+    return pods
+
+
+def test_rdma_host_network_and_interfaces_reach_the_vllm_and_store_pods() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-mla-1p2d.yaml").read_text())
+    networks = {"k8s.v1.cni.cncf.io/networks": "rdma-net"}
+    pods = _pods({**doc["spec"], "store": {"replicas": 1},
+                  "kvTransfer": {"mooncake": {"protocol": "rdma", "devices": "mlx5_0",
+                                              "rdmaResource": "rdma/hca"}},
+                  "podNetwork": {"hostNetwork": True, "annotations": networks,
+                                 "socketInterface": "net1"},
+                  "decode": {"sharedMemorySize": "16Gi"}})
+    for name in ("x-prefill", "x-decode", "x-store"):
+        spec = pods[name]["spec"]
+        main = spec["containers"][0]
+        assert main["resources"]["limits"]["rdma/hca"] == 1, name
+        assert main["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"], name
+        assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert pods[name]["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "rdma-net"
+    env = {e["name"]: e.get("value") for e in pods["x-decode"]["spec"]["containers"][0]["env"]}
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "net1"
+    shm = next(v for v in pods["x-decode"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+    proxy = pods["x-proxy"]["spec"]
+    assert "hostNetwork" not in proxy and "rdma/hca" not in str(proxy)
+    with pytest.raises(InvalidSpecError, match="kvTransfer.mooncake.rdmaResource"):
+        parse_spec({**doc["spec"], "kvTransfer": {"mooncake": {"rdmaResource": "rdma/hca"}}})
+
+
+def test_placement_gang_labels_exclusive_topology_and_decode_near_prefill() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "deepseek-v3-tp16.yaml").read_text())
+    gang = {"spec": {"schedulerName": "volcano"}, "metadata": {
+        "annotations": {"scheduling.k8s.io/group-name": "dsv3"},
+        "labels": {"kueue.x-k8s.io/queue-name": "inference"}}}
+    spec = {**doc["spec"],
+            "prefill": {**doc["spec"]["prefill"], "exclusiveTopology": "nvidia.com/gpu.clique",
+                        "podTemplate": gang},
+            "decode": {**doc["spec"]["decode"], "affinityToPrefill": {
+                "topologyKey": "topology.kubernetes.io/zone", "required": True}}}
+    objects = {o["metadata"]["name"]: o for o in render(
+        Owner("x", "default", "uid-0"), parse_spec(spec), "img:1")
+        if o["kind"] == "LeaderWorkerSet"}
+    assert objects["x-prefill"]["metadata"]["annotations"] == {
+        "leaderworkerset.sigs.k8s.io/exclusive-topology": "nvidia.com/gpu.clique"}
+    pods = _pods(spec)
+    for part in ("leader", "worker"):  # a gang is the whole group
+        pod = pods[f"x-prefill/{part}"]
+        assert pod["spec"]["schedulerName"] == "volcano"
+        assert pod["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "inference"
+        assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "dsv3"
+        decode = pods[f"x-decode/{part}"]["spec"]["affinity"]["podAffinity"]
+        (term,) = decode["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert term["topologyKey"] == "topology.kubernetes.io/zone"
+        assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "prefill"
+    assert "schedulerName" not in pods["x-decode/leader"]["spec"]  # set per role
+    with pytest.raises(InvalidSpecError, match="prefill.affinityToPrefill"):
+        parse_spec({**spec, "prefill": {"affinityToPrefill": {"topologyKey": "k"}}})
+    with pytest.raises(InvalidSpecError, match="decode.exclusiveTopology"):
+        parse_spec({**doc["spec"], "decode": {"exclusiveTopology": "rack"}})

@@ -113,6 +113,22 @@ class ModelCache:
 
 
 @dataclass(frozen=True)
+class PodNetwork:
+    host_network: bool = False
+    rdma_resource: str | None = None  # one of this extended resource per pod
+
+
+def pod_network(spec: DisaggServingSpec) -> PodNetwork:
+    mooncake = spec.kv_transfer.mooncake
+    return PodNetwork(spec.pod_network.host_network,
+                      mooncake.rdma_resource if mooncake.protocol == "rdma" else None)
+
+
+def network_annotations(spec: DisaggServingSpec) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((spec.pod_network.annotations or {}).items()))
+
+
+@dataclass(frozen=True)
 class Component:
     """A group of identical processes: a Deployment or StatefulSet in Kubernetes."""
 
@@ -138,6 +154,7 @@ class Component:
     # An instance spanning nodes: `nodes` pods, the first running `main`, the others `worker`.
     nodes: int = 1
     worker: Process | None = None
+    network: PodNetwork | None = None  # vLLM and store pods: host network, RDMA devices
 
 
 @dataclass(frozen=True)
@@ -364,6 +381,9 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
         ("PYTHONHASHSEED", "0"),
         *store_env,
     ]
+    if spec.pod_network.socket_interface:  # the interface NCCL's and Gloo's sockets bind
+        env += [("NCCL_SOCKET_IFNAME", spec.pod_network.socket_interface),
+                ("GLOO_SOCKET_IFNAME", spec.pod_network.socket_interface)]
     if spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE:
         # The store's own address comes from POD_IP above (kvhelper.store).
         env.append(("MOONCAKE_CONFIG_PATH", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"))
@@ -411,7 +431,8 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
                                        == "rdma" else ()),
                      model_cache=ModelCache(cache.mount_path, cache.pvc_claim_name,
                                             cache.empty_dir_size_limit),
-                     annotations=((ANNOTATION_COMPAT, compat),), stop_grace_seconds=grace)
+                     annotations=((ANNOTATION_COMPAT, compat), *network_annotations(spec)),
+                     stop_grace_seconds=grace, network=pod_network(spec))
 
 
 def drain_command(grace_seconds: int) -> tuple[str, ...]:
@@ -521,6 +542,7 @@ def _store_component(spec: DisaggServingSpec, master: str, etcd_endpoints: tuple
     # The segment is ordinary process memory (not /dev/shm), held for the pod's life.
     memory = f"{segment_mib + 512}Mi"
     return Component(role=Role.STORE, replicas=spec.store.replicas, main=main,
+                     annotations=network_annotations(spec), network=pod_network(spec),
                      resources=spec.store.resources or {
                          "requests": {"cpu": "500m", "memory": memory},
                          "limits": {"memory": memory}},

@@ -34,6 +34,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 # The LeaderWorkerSet controller's label on each pod of a group: "0" is the leader.
 LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+LWS_EXCLUSIVE_TOPOLOGY = "leaderworkerset.sigs.k8s.io/exclusive-topology"
 NONROOT_UID = 1000
 
 Manifest = dict[str, Any]
@@ -124,8 +125,13 @@ def _render_group(owner: Owner, plan: plans.Plan, component: plans.Component, im
     }
     if component.scaled_externally:
         del group["replicas"]
+    metadata = child_meta(owner, name, component.role)
+    role_spec = component.role_spec
+    if role_spec is not None and role_spec.exclusive_topology:
+        # The LeaderWorkerSet controller then places one group per value of this node label.
+        metadata["annotations"] = {LWS_EXCLUSIVE_TOPOLOGY: role_spec.exclusive_topology}
     workload = {"apiVersion": f"{LWS_GROUP}/v1", "kind": "LeaderWorkerSet",
-                "metadata": child_meta(owner, name, component.role), "spec": group}
+                "metadata": metadata, "spec": group}
     service = _service(owner, name, component, headless=True, leaders_only=True)
     return [workload, service]
 
@@ -228,11 +234,17 @@ def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
     else:
         main["resources"] = copy.deepcopy(dict(component.resources or {})
                                           or _default_resources(component))
+    if component.network is not None and component.network.rdma_resource:
+        for kind in ("requests", "limits"):
+            main["resources"].setdefault(kind, {})[component.network.rdma_resource] = 1
     if component.model_cache is not None:
         mounts += [{"name": "model-cache", "mountPath": component.model_cache.mount_path},
                    {"name": "dshm", "mountPath": "/dev/shm"}]
+        shm: dict[str, Any] = {"medium": "Memory"}
+        if role_spec is not None and role_spec.shared_memory_size is not None:
+            shm["sizeLimit"] = role_spec.shared_memory_size
         volumes += [_model_cache_volume(component.model_cache),
-                    {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+                    {"name": "dshm", "emptyDir": shm}]
     if component.reads_config and plan.config_files:
         mounts.append({"name": "config", "mountPath": plans.CONFIG_DIR, "readOnly": True})
         volumes.append({"name": "config",
@@ -265,8 +277,11 @@ def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
         pod_spec["volumes"] = volumes
     if plan.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in plan.image_pull_secrets]
+    if component.network is not None and component.network.host_network:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # Services still resolve
     if role_spec is not None:
-        _place(pod_spec, role_spec)
+        _place(pod_spec, role_spec, owner)
     template: dict[str, Any] = {"metadata": {"labels": child_labels(owner.name, role)},
                                 "spec": pod_spec}
     if annotations:
@@ -304,13 +319,24 @@ def _model_cache_volume(cache: plans.ModelCache) -> dict[str, Any]:
     return {"name": "model-cache", "emptyDir": empty}
 
 
-def _place(pod_spec: dict[str, Any], role_spec: RoleSpec) -> None:
+def _place(pod_spec: dict[str, Any], role_spec: RoleSpec, owner: Owner) -> None:
     if role_spec.node_selector:
         pod_spec["nodeSelector"] = dict(role_spec.node_selector)
     if role_spec.tolerations:
         pod_spec["tolerations"] = copy.deepcopy(role_spec.tolerations)
     if role_spec.affinity:
         pod_spec["affinity"] = copy.deepcopy(role_spec.affinity)
+    near = role_spec.affinity_to_prefill
+    if near is not None:
+        term = {"topologyKey": near.topology_key,
+                "labelSelector": {"matchLabels": selector_labels(owner.name, Role.PREFILL)}}
+        affinity = pod_spec.setdefault("affinity", {}).setdefault("podAffinity", {})
+        if near.required:
+            affinity.setdefault("requiredDuringSchedulingIgnoredDuringExecution",
+                                []).append(term)
+        else:
+            affinity.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
+                {"weight": 100, "podAffinityTerm": term})
 
 
 def _render_etcd(owner: Owner, plan: plans.Plan,

@@ -138,6 +138,10 @@ class MooncakeSpec(_Model):
         default="1Gi", description="Per-pod registered transfer buffer.",
         json_schema_extra={"x-kubernetes-int-or-string": True})
     devices: str = Field(default="", description="RDMA devices, e.g. mlx5_0,mlx5_1 (rdma only).")
+    rdma_resource: str | None = Field(
+        default=None, description="The extended resource that gives a pod its RDMA devices, "
+        "e.g. the RDMA shared device plugin's; every vLLM and store pod requests one when "
+        "protocol is rdma.")
     metadata_backend: Literal["etcd", "P2PHANDSHAKE"] = Field(
         default="etcd", description="Transfer-engine metadata: the DisaggServing's etcd, or "
                                     "peer-to-peer handshakes (no metadata server).")
@@ -208,6 +212,13 @@ UNSUPPORTED_VLLM_FLAGS = dict.fromkeys(
     "different layers, so they would overwrite each other's pages; use tensorParallelSize")
 
 
+class TopologyAffinitySpec(_Model):
+    topology_key: str = Field(min_length=1, description="The node label of the domain, e.g. "
+                              "topology.kubernetes.io/zone or a rack label.")
+    required: bool = Field(default=False, description="Required (the pod waits for a domain "
+                           "with a prefill pod) rather than preferred.")
+
+
 class RoleSpec(_Model):
     """A vLLM role (prefill or decode)."""
 
@@ -240,8 +251,21 @@ class RoleSpec(_Model):
         description="How long a leaving instance may take: it leaves the registry at once, "
                     "then finishes the requests it has (its preStop waits until it has had "
                     "none for 5 s, up to this minus 10 s) before vLLM is stopped.")
+    shared_memory_size: str | int | None = Field(
+        default=None, description="sizeLimit of the vLLM pods' memory-backed /dev/shm (NCCL "
+        "and vLLM's workers use it across processes); default: no limit but the pod's memory.",
+        json_schema_extra={"x-kubernetes-int-or-string": True})
+    exclusive_topology: str | None = Field(
+        default=None, description="A node label (e.g. a rack or NVLink-domain label): at most "
+        "one instance group per domain (the LeaderWorkerSet's exclusive placement; "
+        "nodesPerInstance above 1 only).")
+    affinity_to_prefill: TopologyAffinitySpec | None = Field(
+        default=None, description="decode only: keep each decode pod in a topology domain "
+        "that holds a prefill pod of this DisaggServing (KV moves within the domain).")
     pod_template: dict[str, Any] | None = _passthrough(
-        "A partial PodTemplateSpec merged over the rendered one (containers merged by name).",
+        "A partial PodTemplateSpec merged over the rendered one (containers merged by name): "
+        "schedulerName, gang-scheduling labels and annotations (Volcano, Kueue, "
+        "scheduler-plugins coscheduling), anything else the pods need.",
         _K8S_OBJECT)
 
     @field_validator("extra_args")
@@ -338,6 +362,20 @@ class MooncakeMasterSpec(_Model):
         if self.port == self.metrics_port:
             raise ValueError(self.cel_rules[0].message)
         return self
+
+
+class PodNetworkSpec(_Model):
+    """How the vLLM and store pods reach each other's nodes."""
+
+    host_network: bool = Field(
+        default=False, description="Run vLLM and store pods in the node's network namespace "
+        "(some RDMA setups need it; ports must then be free on the node).")
+    annotations: dict[str, str] | None = Field(
+        default=None, description="Added to vLLM and store pods, e.g. "
+        "k8s.v1.cni.cncf.io/networks for a secondary (RDMA) network.")
+    socket_interface: str | None = Field(
+        default=None, description="The interface NCCL and Gloo bind (NCCL_SOCKET_IFNAME, "
+        "GLOO_SOCKET_IFNAME) on vLLM pods, e.g. eth0.")
 
 
 class NetworkPolicySpec(_Model):
@@ -507,6 +545,7 @@ class DisaggServingSpec(_Model):
     mooncake_master: MooncakeMasterSpec = _obj("The Mooncake store master (MooncakeStore).")
     store: StoreSpec = _obj("Dedicated pods holding the store's memory (MooncakeStore).")
     network_policy: NetworkPolicySpec = _obj("Which pods may reach the serving pods.")
+    pod_network: PodNetworkSpec = _obj("Host network, secondary networks and interfaces.")
     autoscaling: AutoscalingSpec = _obj("Who sets the prefill and decode replica counts.")
 
     @model_validator(mode="before")
@@ -549,6 +588,7 @@ def parse_spec(raw: dict[str, Any] | None) -> DisaggServingSpec:
     check_kv_heads(spec)
     for role in ("prefill", "decode"):
         check_parallel_layout(role, getattr(spec, role))
+    check_placement(spec)
     if spec.proxy.store_routing and spec.kv_transfer.implementation == "vllm":
         raise InvalidSpecError("proxy.storeRouting", (
             "the proxy computes the kvhelper connector's store keys, and "
@@ -602,6 +642,22 @@ def check_parallel_layout(role: str, role_spec: RoleSpec) -> None:
         raise InvalidSpecError(f"{role}.gpusPerNode", (
             f"TP {tp} x DP {dp} over {nodes} node(s) needs {world // nodes} GPUs per node, "
             f"not {given}: fix gpusPerNode or the parallel sizes"))
+
+
+def check_placement(spec: DisaggServingSpec) -> None:
+    if spec.prefill.affinity_to_prefill is not None:
+        raise InvalidSpecError("prefill.affinityToPrefill", (
+            "is for decode: set decode.affinityToPrefill to keep decode near prefill"))
+    for role in ("prefill", "decode"):
+        role_spec: RoleSpec = getattr(spec, role)
+        if role_spec.exclusive_topology and role_spec.nodes_per_instance == 1:
+            raise InvalidSpecError(f"{role}.exclusiveTopology", (
+                "places LeaderWorkerSet groups (nodesPerInstance above 1); for one-node "
+                f"instances use {role}.affinity (pod anti-affinity) instead"))
+    if spec.kv_transfer.mooncake.rdma_resource and spec.kv_transfer.mooncake.protocol != "rdma":
+        raise InvalidSpecError("kvTransfer.mooncake.rdmaResource", (
+            "is requested only with protocol rdma: set kvTransfer.mooncake.protocol to rdma, "
+            "or remove rdmaResource"))
 
 
 def check_kv_heads(spec: DisaggServingSpec) -> None:
