@@ -88,3 +88,46 @@ def test_unreachable_master_is_a_clear_error(monkeypatch) -> None:
                                        global_segment_size=16 << 20,
                                        local_buffer_size=16 << 20,
                                        local_hostname="127.0.0.1"))
+
+
+def test_a_hung_master_costs_a_lookup_its_timeout_not_the_scheduler(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """A master that stops answering (SIGSTOP: alive, connected, silent) must not hold the
+    vLLM scheduler that asks it: the lookup gives up after its timeout, later lookups pause
+    instead of queueing behind the stuck one, and once the master answers again so do they."""
+    import os
+    import signal
+    import time
+
+    from disagg_devtools.master_process import MooncakeMaster
+    from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
+
+    from .conftest import in_private_network
+
+    if not in_private_network():
+        pytest.fail("run in a network namespace (`make test` uses `unshare -n`)")
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    with MooncakeMaster(tmp_path / "master.log", extra_args=["--client_ttl=30"]) as master:
+        config = MooncakeConfig(master_server_address=master.address, global_segment_size=0,
+                                local_buffer_size=16 << 20, local_hostname="127.0.0.1")
+        lookup = StoredPrefixLookup(config, timeout=0.5, pause_after_failure=2.0)
+        space = KeySpace("fingerprint", None)
+        assert lookup.stored_blocks(space, ["aa", "bb"]) == 0  # connected, nothing stored
+        assert master.process is not None
+        os.kill(master.process.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            # (Keys not asked before: Mooncake's client caches recent answers.)
+            assert lookup.stored_blocks(space, ["cc", "dd"]) is None  # gave up
+            waited = time.monotonic() - started
+            assert waited < 1.5, waited
+            started = time.monotonic()
+            assert lookup.stored_blocks(space, ["ee"]) == 0  # paused: no second wait
+            assert time.monotonic() - started < 0.1
+        finally:
+            os.kill(master.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while lookup.stored_blocks(space, ["aa"]) != 0 or lookup.paused:
+            assert time.monotonic() < deadline, "lookups did not come back"
+            time.sleep(0.2)
+        lookup.close()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,6 +23,7 @@ from kvhelper.store import MooncakeConfig, MooncakeKVStore
 log = logging.getLogger("kvhelper.stored_prefix")
 PAUSE_AFTER_FAILURE = 10.0  # seconds without lookups after one failed
 LOOKUP_BUFFER_BYTES = 1 << 20  # the lookup client moves no values
+LOOKUP_TIMEOUT = 1.0  # seconds a lookup may take before the prompt is computed instead
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,13 @@ class StoredPrefixLookup:
     def __init__(self, config: MooncakeConfig,
                  connect: Callable[[MooncakeConfig], MooncakeKVStore] = MooncakeKVStore,
                  clock: Callable[[], float] = time.monotonic,
-                 pause_after_failure: float = PAUSE_AFTER_FAILURE) -> None:
+                 pause_after_failure: float = PAUSE_AFTER_FAILURE,
+                 timeout: float = LOOKUP_TIMEOUT) -> None:
+        self._timeout = timeout
+        # Existence checks run on this thread: a hung master holds it, never the caller
+        # (vLLM's scheduler, which would stop every request with it).
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-lookup")
+        self._pending: Future[list[bool]] | None = None
         self._config = replace(config, global_segment_size=0,
                                local_buffer_size=LOOKUP_BUFFER_BYTES)
         self._connect, self._clock = connect, clock
@@ -70,15 +79,20 @@ class StoredPrefixLookup:
         if not hashes or self.paused:
             return 0
         per_block = block_value_keys(space.fingerprint, hashes, space.shards)
+        keys = [key for keys in per_block for key in keys]
+        if self._pending is not None and not self._pending.done():
+            return None  # the last lookup still waits on the store: do not queue behind it
         try:
-            if self._client is None:
+            if self._client is None:  # connecting checks the master answers (kvhelper.store)
                 self._client = self._connect(self._config)
-            found = self._client.exists([key for keys in per_block for key in keys],
-                                        strict=True)
-        except Exception as err:  # the store is out of reach: compute, and ask again later
+            self._pending = self._worker.submit(self._client.exists, keys, strict=True)
+            found = self._pending.result(timeout=self._timeout)
+        except Exception as err:  # the store is out of reach or hung: compute, ask later
             self._paused_until = self._clock() + self._pause
+            why = (f"no answer within {self._timeout:g} s" if isinstance(err, FutureTimeout)
+                   else str(err))
             log.warning("looking up stored KV blocks failed (%s); computing prompts without "
-                        "the store for %.0f s", err, self._pause)
+                        "the store for %.0f s", why, self._pause)
             return None
         width = len(per_block[0])
         blocks = 0
@@ -87,6 +101,7 @@ class StoredPrefixLookup:
         return blocks
 
     def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
         if self._client is not None:
             self._client.close()
             self._client = None
