@@ -396,7 +396,17 @@ def test_a_small_trace_replay_computes_what_the_store_cannot_serve(served) -> No
     print(f"trace replay: computed share {measured:.3f}, ideal {ideal:.3f}")
     assert abs(measured - ideal) <= 0.05, (measured, ideal)
 
-    # The operator's planner reads the same interval off the same pages.
+    # The operator's planner reads the same interval off the same pages, once decode's
+    # histograms count every finished request (vLLM records them after the stream ends).
+    def decoded() -> float:
+        after = planner_scrape(served)
+        return load_between(scraped_before, after).requests_per_s * (after.at
+                                                                     - scraped_before.at)
+
+    async def all_decoded() -> bool:
+        return await asyncio.to_thread(decoded) >= len(work.prompts) - 0.5
+
+    asyncio.run(wait_until(all_decoded, 30, "decode's metrics count every request"))
     scraped_after = planner_scrape(served)
     load = load_between(scraped_before, scraped_after)
     seconds = scraped_after.at - scraped_before.at
