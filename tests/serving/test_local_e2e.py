@@ -428,7 +428,8 @@ def planner_scrape(served: Served) -> Scrape:
     pages = {"proxy": ("proxy", served.url)} | {
         item.spec.name: (item.spec.role, f"http://127.0.0.1:{item.spec.port}")
         for item in served.deployment.started
-        if item.spec.role in ("prefill", "decode") and item.spec.port}
+        if item.spec.role in ("prefill", "decode") and item.spec.port
+        and item.process.poll() is None}  # an earlier test killed a decode
     pods = {}
     for name, (role, url) in pages.items():
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
