@@ -98,17 +98,19 @@ class LightkubeApi:
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]:
         found: dict[ChildKey, Manifest] = {}
         for kind, resource in _RESOURCES.items():
-            if kind in OPTIONAL_KINDS and not await self.serves(kind, owner.namespace):
-                continue
-            async with _translated():
-                labels: dict[str, Any] = dict(owned_labels(owner.name))
-                async for item in self.client.list(resource, namespace=owner.namespace,
-                                                   labels=labels):
-                    obj = dict(item)
-                    refs = obj.get("metadata", {}).get("ownerReferences") or []
-                    # Same labels but another owner (e.g. a deleted namesake awaiting GC): skip.
-                    if any(r.get("uid") == owner.uid for r in refs):
-                        found[(kind, obj["metadata"]["name"])] = obj
+            try:
+                async with _translated():
+                    labels: dict[str, Any] = dict(owned_labels(owner.name))
+                    async for item in self.client.list(resource, namespace=owner.namespace,
+                                                       labels=labels):
+                        obj = dict(item)
+                        refs = obj.get("metadata", {}).get("ownerReferences") or []
+                        # Same labels, another owner (a deleted namesake awaiting GC): skip.
+                        if any(r.get("uid") == owner.uid for r in refs):
+                            found[(kind, obj["metadata"]["name"])] = obj
+            except ApiFailure as err:
+                if not (err.code == 404 and kind in OPTIONAL_KINDS):
+                    raise  # (an add-on kind not installed has no children)
         return found
 
     async def apply(self, manifest: Manifest, dry_run: bool = False) -> Manifest:
