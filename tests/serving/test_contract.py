@@ -32,6 +32,9 @@ READ_ELSEWHERE = {
     "VLLM_API_KEY": "the key vLLM's OpenAI server requires (its --api-key)",
     "PYTHONHASHSEED": "Python itself; keeps xxhash block hashes equal across instances",
     "POD_NAME": "etcd's command line ($(POD_NAME), expanded by Kubernetes)",
+    "NCCL_SOCKET_IFNAME": "NCCL's bootstrap and socket transport (multi-node instances)",
+    "GLOO_SOCKET_IFNAME": "torch.distributed's Gloo backend (multi-node instances)",
+    "MC_STORE_CLUSTER_ID": "Mooncake's client: the HA masters' election key in etcd",
 }
 
 
