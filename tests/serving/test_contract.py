@@ -38,6 +38,9 @@ READ_ELSEWHERE = {
 }
 
 
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+
+
 def plan_of(example: Path) -> Plan:
     document = yaml.safe_load(example.read_text())
     return build_plan(document["metadata"]["name"], "serving", parse_spec(document["spec"]),
@@ -46,7 +49,8 @@ def plan_of(example: Path) -> Plan:
 
 def processes(plan: Plan) -> list[Process]:
     """Every process, and every hook command as a process of its own."""
-    found = [p for c in plan.components for p in (c.main, *c.sidecars)]
+    found = [p for c in plan.components
+             for p in (c.main, *c.sidecars, *((c.worker,) if c.worker else ()))]
     return found + [Process(f"{p.name}-pre-stop", p.pre_stop) for p in found if p.pre_stop]
 
 
@@ -54,6 +58,8 @@ def module_args(process: Process, module: str) -> list[str] | None:
     command = list(process.command)
     if command[1:3] == ["-m", module]:
         return command[3:]
+    if module == VLLM_SERVER and command[:2] == ["vllm", "serve"]:
+        return command[2:]  # multi-node instances start vLLM through its CLI
     return None
 
 
@@ -70,7 +76,7 @@ def test_rendered_command_lines_parse_with_kvhelpers_own_parsers(example: Path) 
         elif (args := module_args(process, "kvhelper.drain")) is not None:
             drain_args(args)
             seen.add("drain")
-        elif (args := module_args(process, "vllm.entrypoints.openai.api_server")) is not None:
+        elif (args := module_args(process, VLLM_SERVER)) is not None:
             config = json.loads(args[args.index("--kv-transfer-config") + 1])
             if "kv_connector_module_path" in config:
                 module = importlib.import_module(config["kv_connector_module_path"])

@@ -398,6 +398,11 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
     grace = role_spec.termination_grace_period_seconds
     command = vllm_args(role, spec)
     multi_node = role_spec.nodes_per_instance > 1
+    if multi_node:
+        # `vllm serve`: the deprecated api_server module ignores --headless (its follower then
+        # starts an engine of its own and fails: "collective_rpc should not be called on
+        # follower node", seen with vLLM 0.32).
+        command = ("vllm", "serve", *command[3:])
     main = Process(name="vllm", command=command, env=tuple(env),
                    ports=(("http", VLLM_PORT),
                           *((("dist", MULTI_NODE_PORT),) if multi_node else ())),
