@@ -264,3 +264,67 @@ async def test_a_crashing_instance_is_quoted_in_degraded(cluster: Sandbox, api: 
                                          "or false, not 'yes'"}}}]}}
     cond = await api.wait_condition("dsv2-lite", "Degraded", "True", "InstancesFailing")
     assert "load_async must be true or false" in cond["message"]
+
+
+async def test_a_kv_change_rolls_prefill_and_decode_side_by_side(cluster: Sandbox,
+                                                                 api: Api) -> None:
+    """A block size change rewrites both vLLM Deployments in one reconcile (nothing deleted,
+    nothing else written) to surge beside the old pods, each new pod gated on a registered peer
+    of the new fingerprint; Progressing counts old and new instances per role until only new
+    ones remain."""
+    import kmock
+    from disagg_operator.plan import ANNOTATION_COMPAT
+
+    await create_seed(api)
+    old_compat = api.get("deployments", "dsv2-lite-prefill")[  # type: ignore[index]
+        "spec"]["template"]["metadata"]["annotations"][ANNOTATION_COMPAT]
+    cluster.emulator.readiness = "manual"
+    mark = api.mark()
+    await api.patch_spec("dsv2-lite", {"model": {"blockSize": 32}})
+    await api.wait_condition("dsv2-lite", "Progressing", "True", "RollingOut", generation=2)
+    child_writes = [w for w in api.writes_since(mark) if PLURAL not in w]
+    assert child_writes == [
+        f"PATCH /apis/apps/v1/namespaces/default/deployments/dsv2-lite-{role}"
+        for role in ("prefill", "decode")]
+    new_compat = ""
+    for role, peer in (("prefill", "decode"), ("decode", "prefill")):
+        workload = api.get("deployments", f"dsv2-lite-{role}")["spec"]  # type: ignore[index]
+        assert workload["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        template = workload["template"]
+        new_compat = template["metadata"]["annotations"][ANNOTATION_COMPAT]
+        assert "blockSize=32" in new_compat and new_compat != old_compat
+        registrar = next(c for c in template["spec"]["containers"] if c["name"] == "registrar")
+        gate = registrar["startupProbe"]["exec"]["command"]
+        fingerprint = registrar["args"][registrar["args"].index("--fingerprint") + 1]
+        assert gate[gate.index("--peer-role") + 1] == peer
+        assert gate[gate.index("--fingerprint") + 1] == fingerprint
+
+    pods = kmock.resource("", "v1", "pods")
+
+    def pod(role: str, index: int, compat: str, ready: bool) -> None:
+        name = f"dsv2-lite-{role}-{compat == new_compat and 'new' or 'old'}{index}"
+        cluster.emulator.objects[pods, NAMESPACE, name] = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": NAMESPACE,
+                         "annotations": {ANNOTATION_COMPAT: compat}, "labels": {
+                             "app.kubernetes.io/instance": "dsv2-lite",
+                             "app.kubernetes.io/managed-by": "disagg-operator",
+                             "app.kubernetes.io/component": role}},
+            "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}
+
+    pod("prefill", 0, old_compat, True)
+    pod("decode", 0, old_compat, True)
+    pod("decode", 1, old_compat, True)
+    pod("prefill", 0, new_compat, True)
+    pod("decode", 0, new_compat, False)
+    cond = await api.wait_condition("dsv2-lite", "Progressing", "True", "KVRollout")
+    assert cond["message"].endswith(
+        "prefill 1 new (1 ready), 1 old; decode 1 new (0 ready), 2 old"), cond["message"]
+    # The old pods go (their Deployment's controller retires them for ready new ones).
+    for name in ("dsv2-lite-prefill-old0", "dsv2-lite-decode-old0", "dsv2-lite-decode-old1"):
+        del cluster.emulator.objects[pods, NAMESPACE, name]
+    for role in ("prefill", "decode"):
+        await cluster.emulator.set_workload_ready("deployments", NAMESPACE,
+                                                  f"dsv2-lite-{role}")
+    await api.wait_condition("dsv2-lite", "Progressing", "False", "RolloutComplete",
+                             generation=2)

@@ -18,6 +18,7 @@ from disagg_operator.plan import ClusterAddressing, Plan, Process, build_plan
 from disagg_operator.spec import parse_spec
 from kvhelper.connector.settings import ConnectorSettings
 from kvhelper.drain import parse_args as drain_args
+from kvhelper.peer_check import parse_args as peer_check_args
 from kvhelper.proxy.__main__ import parse_args as proxy_args
 from kvhelper.registry import parse_args as registrar_args
 from kvhelper.store import MooncakeConfig
@@ -51,7 +52,8 @@ def processes(plan: Plan) -> list[Process]:
     """Every process, and every hook command as a process of its own."""
     found = [p for c in plan.components
              for p in (c.main, *c.sidecars, *((c.worker,) if c.worker else ()))]
-    return found + [Process(f"{p.name}-pre-stop", p.pre_stop) for p in found if p.pre_stop]
+    return (found + [Process(f"{p.name}-pre-stop", p.pre_stop) for p in found if p.pre_stop]
+            + [Process(f"{p.name}-startup", p.startup_check) for p in found if p.startup_check])
 
 
 def module_args(process: Process, module: str) -> list[str] | None:
@@ -76,6 +78,9 @@ def test_rendered_command_lines_parse_with_kvhelpers_own_parsers(example: Path) 
         elif (args := module_args(process, "kvhelper.drain")) is not None:
             drain_args(args)
             seen.add("drain")
+        elif (args := module_args(process, "kvhelper.peer_check")) is not None:
+            peer_check_args(args)
+            seen.add("peer_check")
         elif (args := module_args(process, VLLM_SERVER)) is not None:
             config = json.loads(args[args.index("--kv-transfer-config") + 1])
             if "kv_connector_module_path" in config:
@@ -83,7 +88,7 @@ def test_rendered_command_lines_parse_with_kvhelpers_own_parsers(example: Path) 
                 assert hasattr(module, config["kv_connector"]), config
                 ConnectorSettings.parse(config.get("kv_connector_extra_config"))
                 seen.add("connector")
-    assert {"proxy", "registrar", "drain"} <= seen
+    assert {"proxy", "registrar", "drain", "peer_check"} <= seen
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)

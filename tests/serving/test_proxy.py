@@ -413,3 +413,59 @@ async def test_idle_and_half_sent_connections_are_closed_and_connections_are_cap
     finally:
         listener.close()
         await runner.cleanup()
+
+
+class SettableDiscovery:
+    """Instances with fingerprints that a test changes while the proxy runs, as registrars do
+    during a rollout."""
+
+    def __init__(self, instances: list[Instance]) -> None:
+        self.instances = instances
+        self._listener: Any = None
+
+    def set(self, instances: list[Instance]) -> None:
+        self.instances = instances
+        self._listener({i.id: i for i in instances})
+
+    async def run(self, listener: Any, stop: asyncio.Event) -> None:
+        self._listener = listener
+        listener({i.id: i for i in self.instances})
+        await stop.wait()
+
+
+def fingerprinted(fake: Any, role: str, fingerprint: str) -> Instance:
+    return Instance(id=fake.name, role=role, url=fake.url, model="m",  # type: ignore[arg-type]
+                    fingerprint=fingerprint)
+
+
+async def test_a_request_no_pair_can_serve_is_computed_by_decode_alone(backends, start_proxy):
+    """Mid-rollout, the prefill instances left may have no decode of their fingerprint, or the
+    KV's decode instances may be gone once prefill answers: a decode instance then computes
+    the prompt itself, never loading another fingerprint's KV, and the client gets an answer."""
+    old_prefill, new_decode = await backends("p-old"), await backends("d-new")
+    discovery = SettableDiscovery([fingerprinted(old_prefill, "prefill", "OLD"),
+                                   fingerprinted(new_decode, "decode", "NEW")])
+    proxy = await start_proxy([], [], discovery=discovery)
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    assert status == 200 and b"d-new recomputed" in raw, raw
+    assert old_prefill.requests == []
+    assert "kv_transfer_params" not in new_decode.requests[-1]
+
+    # Prefill answers for OLD after OLD's decode instance has been withdrawn.
+    slow_prefill, old_decode = (await backends("p-slow", prefill_delay=0.5),
+                                await backends("d-old"))
+    discovery.set([fingerprinted(slow_prefill, "prefill", "OLD"),
+                   fingerprinted(old_decode, "decode", "OLD"),
+                   fingerprinted(new_decode, "decode", "NEW")])
+    answer = asyncio.ensure_future(post(f"{proxy}/v1/completions", {"prompt": "y"}))
+    await wait_for(lambda: slow_prefill.requests, timeout=5, what="the prefill request")
+    discovery.set([fingerprinted(slow_prefill, "prefill", "OLD"),
+                   fingerprinted(new_decode, "decode", "NEW")])
+    status, _, raw = await answer
+    assert status == 200 and b"d-new recomputed" in raw, raw
+    assert old_decode.requests == []
+    assert "kv_transfer_params" not in new_decode.requests[-1]
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy}/metrics") as got:
+        text = await got.text()
+    for reason in ("no_compatible_prefill", "no_compatible_decode"):
+        assert f'disagg_proxy_decode_alone_total{{reason="{reason}"}} 1.0' in text, reason

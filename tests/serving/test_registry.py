@@ -218,3 +218,32 @@ async def test_registrar_process_withdraws_on_sigterm(etcd, background, tmp_path
         if proc.returncode is None:
             proc.kill()
         await fake.stop()
+
+
+async def test_the_peer_check_passes_only_once_a_peer_of_the_same_fingerprint_is_registered(
+        etcd, background):
+    """The registrar's startup probe (kvhelper.peer_check) against a real etcd: a new decode
+    instance counts as started only when a prefill instance of its fingerprint is registered,
+    not one of the old fingerprint; an etcd it cannot reach is a failure of its own."""
+    check = ["--peer-role", "prefill", "--fingerprint", "NEW", "--etcd", etcd.endpoint,
+             "--prefix", PREFIX]
+
+    def run(args: list[str]) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "kvhelper.peer_check", *args],
+                              capture_output=True, text=True, timeout=30)
+
+    assert run(check).returncode == 1
+    async with aetcd.Client(*etcd.endpoint.split(":")) as client:
+        for role, name, fingerprint in (("prefill", "old-p", "OLD"), ("decode", "new-d", "NEW")):
+            instance = Instance(id=name, role=role, url=f"http://{name}", model="m",
+                                fingerprint=fingerprint)
+            await client.put(instance.key(PREFIX).encode(), instance.to_json())
+        refused = run(check)
+        assert refused.returncode == 1 and "1 of other fingerprints" in refused.stdout
+        new = Instance(id="new-p", role="prefill", url="http://new-p", model="m",
+                       fingerprint="NEW")
+        await client.put(new.key(PREFIX).encode(), new.to_json())
+    passed = run(check)
+    assert passed.returncode == 0, passed.stdout
+    unreachable = run([*check[:5], f"127.0.0.1:{free_port()}", *check[6:], "--timeout", "1"])
+    assert unreachable.returncode == 2 and "cannot ask etcd" in unreachable.stdout

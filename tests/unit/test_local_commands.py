@@ -100,3 +100,27 @@ def test_a_token_secret_comes_only_from_the_callers_environment() -> None:
     prefill = by_name(processes(spec, {"HF_TOKEN": "s3cret"}))["tiny-prefill-0"]
     assert prefill.env["HF_TOKEN"] == "s3cret"
     assert not any("s3cret" in arg for arg in prefill.argv)
+
+
+def test_a_rollout_starts_a_named_apart_generation_and_refuses_what_it_cannot_restart(
+        ) -> None:
+    from disagg_devtools.local.runner import outside_vllm_roles
+
+    addressing = LocalAddressing(etcd=("127.0.0.1:2399",), master_port=5100)
+    old = build_plan("tiny", "local", parse_spec(SPEC), addressing)
+    new_spec = {**SPEC, "model": {**SPEC["model"], "blockSize": 16}}  # type: ignore[dict-item]
+    new = build_plan("tiny", "local", parse_spec(new_spec), addressing)
+    assert outside_vllm_roles(old, new) is None
+    ports = assign_ports(new, addressing, 8080, iter(range(6000, 7000)).__next__)
+    started = local_processes(new, ports, Path("/run/cfg"), PROGRAMS, {},
+                              skip_roles=frozenset({"etcd", "mooncake-master", "proxy"}),
+                              generation=2)
+    assert sorted(p.name for p in started) == [
+        "tiny-decode-g2-0", "tiny-decode-g2-0-registrar", "tiny-decode-g2-1",
+        "tiny-decode-g2-1-registrar", "tiny-prefill-g2-0", "tiny-prefill-g2-0-registrar"]
+    bigger_store = {**SPEC, "kvTransfer": {"mooncake": {"globalSegmentSize": "8Gi"}}}
+    assert "config files" in str(outside_vllm_roles(
+        old, build_plan("tiny", "local", parse_spec(bigger_store), addressing)))
+    other_port = {**SPEC, "proxy": {"service": {"port": 9000}}}
+    assert outside_vllm_roles(
+        old, build_plan("tiny", "local", parse_spec(other_port), addressing)) == "changes proxy"

@@ -101,6 +101,8 @@ class Process:
     health_path: str | None = None  # HTTP readiness path on the first port; None: TCP check
     # Run before the process is stopped (a preStop hook in Kubernetes): its graceful drain.
     pre_stop: tuple[str, ...] = ()
+    # Succeeds once the process may count as started (an exec startup probe in Kubernetes).
+    startup_check: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -358,6 +360,14 @@ def compatibility_labels(spec: DisaggServingSpec) -> dict[str, str]:
         labels["kvCacheDtype"] = spec.model.kv_cache_dtype
     if spec.kv_transfer.implementation != "kvhelper":  # the two store pages differently
         labels["implementation"] = spec.kv_transfer.implementation
+    # Each absent when unset, so that existing fingerprints stay. The image carries vLLM and
+    # kvhelper, whose page formats may differ between versions; the connector's own settings
+    # may change how pages are laid out or keyed.
+    if spec.image:
+        labels["image"] = spec.image
+    if spec.kv_transfer.extra_config:
+        config = json.dumps(spec.kv_transfer.extra_config, sort_keys=True).encode()
+        labels["connectorConfig"] = hashlib.sha256(config).hexdigest()[:12]
     return labels
 
 
@@ -424,6 +434,7 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
             "--fingerprint", compatibility_fingerprint(spec),
         ),
         env=(("POD_IP", PodIP()),),
+        startup_check=peer_check_command(role, spec, etcd_endpoints, registry_prefix),
     )
     cache = spec.model.cache
     compat = ",".join(f"{k}={v}" for k, v in compatibility_labels(spec).items())
@@ -438,6 +449,19 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
                                             cache.empty_dir_size_limit),
                      annotations=((ANNOTATION_COMPAT, compat), *network_annotations(spec)),
                      stop_grace_seconds=grace, network=pod_network(spec))
+
+
+def peer_check_command(role: VLLMRole, spec: DisaggServingSpec,
+                       etcd_endpoints: tuple[str, ...], registry_prefix: str
+                       ) -> tuple[str, ...]:
+    """The registrar's startup check: an instance counts as started once the other role has
+    an instance of its fingerprint registered. A rollout that changes the fingerprint then
+    retires old prefill and decode instances only for new ones that can pair, and never while
+    the new revision cannot start in one of the roles (kvhelper.peer_check)."""
+    return ("python3", "-m", "kvhelper.peer_check",
+            "--peer-role", "decode" if role == Role.PREFILL else "prefill",
+            "--fingerprint", compatibility_fingerprint(spec),
+            "--etcd", ",".join(etcd_endpoints), "--prefix", registry_prefix)
 
 
 def drain_command(grace_seconds: int) -> tuple[str, ...]:

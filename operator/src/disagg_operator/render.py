@@ -92,6 +92,11 @@ def _render_component(owner: Owner, plan: plans.Plan, component: plans.Component
         "selector": {"matchLabels": selector_labels(owner.name, role)},
         "template": pod,
     }
+    if role.is_vllm:
+        # New instances start beside the old ones, and an old one goes only for a new one that
+        # is ready, which with the registrar's startup check means one that can pair.
+        workload_spec["strategy"] = {"type": "RollingUpdate", "rollingUpdate": {
+            "maxSurge": "25%", "maxUnavailable": 0}}
     if component.scaled_externally:
         # Not applied, so not owned: the HPA's (or KEDA's) writes through /scale stay.
         del workload_spec["replicas"]
@@ -258,6 +263,11 @@ def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
     for sidecar in () if worker else component.sidecars:
         side = _container(sidecar, image, plan.image_pull_policy,
                           _container_security(read_only=True))
+        if sidecar.startup_check:
+            # Never run again once it succeeds; an hour of failures restarts the sidecar.
+            side["startupProbe"] = {"exec": {"command": list(sidecar.startup_check)},
+                                    "periodSeconds": 5, "failureThreshold": 720,
+                                    "timeoutSeconds": 5}
         side["resources"] = {"requests": {"cpu": "10m", "memory": "64Mi"},
                              "limits": {"memory": "128Mi"}}
         containers.append(side)

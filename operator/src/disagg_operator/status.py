@@ -12,8 +12,8 @@ from typing import Any
 
 from disagg_operator.association import LABEL_COMPONENT, LABEL_INSTANCE
 from disagg_operator.etcd_health import EtcdHealth
-from disagg_operator.plan import Role
-from disagg_operator.render import Manifest
+from disagg_operator.plan import ANNOTATION_COMPAT, Role
+from disagg_operator.render import LWS_WORKER_INDEX_LABEL, Manifest
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -92,6 +92,51 @@ def pod_failures(pods: list[Manifest]) -> list[str]:
     return found[:MESSAGE_PODS]
 
 
+def kv_rollout(desired: list[Manifest], roles: Mapping[str, str],
+               pods: list[Manifest]) -> str | None:
+    """Old and new instances per vLLM role while a change of the KV compatibility (model,
+    block size, image...) rolls out, told apart by the pods' compatibility annotation; None
+    when every vLLM pod runs the desired one."""
+    wanted: dict[str, str] = {}
+    for workload in desired:
+        role = roles.get(workload["metadata"]["name"])
+        if workload["kind"] in WORKLOAD_KINDS and role in (Role.PREFILL, Role.DECODE):
+            template = _pod_template_of(workload)
+            wanted[str(role)] = ((template.get("metadata") or {}).get("annotations")
+                                 or {}).get(ANNOTATION_COMPAT, "")
+    counts = {role: {"new": 0, "ready": 0, "old": 0} for role in wanted}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        role = (meta.get("labels") or {}).get(LABEL_COMPONENT)
+        if role not in counts:
+            continue
+        compat = (meta.get("annotations") or {}).get(ANNOTATION_COMPAT)
+        if compat is None or (meta.get("labels") or {}).get(LWS_WORKER_INDEX_LABEL, "0") != "0":
+            continue  # not an instance's pod, or a multi-node instance's other node
+        if compat != wanted[role]:
+            counts[role]["old"] += 1
+        elif not meta.get("deletionTimestamp"):
+            counts[role]["new"] += 1
+            counts[role]["ready"] += _pod_ready(pod)
+    if not any(c["old"] for c in counts.values()):
+        return None
+    return ("new KV compatibility rolling out beside the old (the proxy pairs only equal "
+            "ones): " + "; ".join(f"{role} {c['new']} new ({c['ready']} ready), {c['old']} old"
+                                  for role, c in counts.items()))
+
+
+def _pod_template_of(workload: Manifest) -> Manifest:
+    spec = workload.get("spec") or {}
+    if workload["kind"] == "LeaderWorkerSet":
+        return dict((spec.get("leaderWorkerTemplate") or {}).get("leaderTemplate") or {})
+    return dict(spec.get("template") or {})
+
+
+def _pod_ready(pod: Manifest) -> int:
+    return int(any(c.get("type") == "Ready" and c.get("status") == "True"
+                   for c in (pod.get("status") or {}).get("conditions") or []))
+
+
 def workload_state(role: str, desired: Manifest, live: Manifest | None) -> WorkloadState:
     # A workload scaled externally has no replicas in its manifest: what it has is desired.
     replicas = int(desired["spec"].get(
@@ -166,7 +211,9 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
         ready = ("True", "AllComponentsReady",
                  f"{len(workloads)} components ready; serving at {obs.endpoint}")
 
-    if rolling:
+    if kv_change := kv_rollout(obs.desired, obs.roles, obs.pods):
+        progressing = ("True", "KVRollout", kv_change)
+    elif rolling:
         progressing = ("True", "RollingOut", "rolling out " + "; ".join(
             f"{w.role}: {w.updated} of {w.desired} updated, {w.ready} ready" for w in rolling))
     else:

@@ -126,6 +126,31 @@ def _up(name: str, spec: DisaggServingSpec, folder: RunFolder, python: str,
         raise click.ClickException(str(err)) from None
 
 
+@local.command("rollout")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="default: .disagg-local/NAME")
+@click.option("--model", default=None, help="As for `up`.")
+@click.option("--python", "python", default=sys.executable, show_default=True)
+@click.option("--timeout", default=600.0, show_default=True,
+              help="Seconds for the new instances to become ready.")
+def rollout_cmd(path: Path, run_dir: Path | None, model: str | None, python: str,
+                timeout: float) -> None:
+    """Move a running deployment's prefill and decode instances to the spec in PATH without
+    failing a request, as the operator does: new instances start beside the old, and the old
+    are drained once new prefill and decode instances can pair."""
+    name, spec = load(path, model)
+    check_serving_python(python)
+    folder = RunFolder(run_dir or DEFAULT_RUN_ROOT / name)
+    spec = with_tiny_model(spec, folder, python)
+    deployment = LocalDeployment(name, spec, folder, python=python, echo=click.echo)
+    try:
+        drained = asyncio.run(deployment.rollout(spec, timeout))
+    except (StartupError, LocalPlanError) as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"{name} rolled out; drained {', '.join(drained) or 'nothing'}")
+
+
 @local.command("down")
 @click.argument("name", required=False)
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None)

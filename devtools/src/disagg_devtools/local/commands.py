@@ -92,9 +92,11 @@ def assign_ports(plan: Plan, addressing: LocalAddressing, proxy_port: int,
 
 def local_processes(plan: Plan, ports: Ports, config_dir: Path,
                     programs: Programs, caller_env: Mapping[str, str],
-                    skip_roles: frozenset[str] = frozenset({"etcd"})) -> list[LocalProcess]:
+                    skip_roles: frozenset[str] = frozenset({"etcd"}),
+                    generation: int = 0) -> list[LocalProcess]:
     """One LocalProcess per replica and container. `ports[(role, replica, port name)]` is the
-    local port of that replica's listener; roles in `skip_roles` are run by the caller."""
+    local port of that replica's listener; roles in `skip_roles` are run by the caller.
+    Instances of a later `generation` (a rollout's new ones) are named apart from the old."""
     processes: list[LocalProcess] = []
     for component in plan.components:
         if component.role in skip_roles:
@@ -107,7 +109,8 @@ def local_processes(plan: Plan, ports: Ports, config_dir: Path,
         for replica in range(component.replicas):
             mapping = {container: ports[(component.role, replica, port_name)]
                        for port_name, container in component.main.ports}
-            instance = f"{plan.name}-{component.role}-{replica}"
+            revision = f"g{generation}-" if generation else ""
+            instance = f"{plan.name}-{component.role}-{revision}{replica}"
             for process in (component.main, *component.sidecars):
                 processes.append(_local(component, process, instance, mapping, config_dir,
                                         programs, caller_env))

@@ -23,8 +23,9 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
-from disagg_operator.plan import build_plan
+from disagg_operator.plan import VLLM_ROLES, Plan, build_plan, compatibility_fingerprint
 from disagg_operator.spec import DisaggServingSpec
 
 from disagg_devtools import processes
@@ -140,6 +141,10 @@ class LocalDeployment:
     async def _start_all(self, etcd: tuple[str, ...], proxy_port: int,
                          state: dict[str, object], timeout: float) -> str:
         addressing = LocalAddressing(etcd=etcd, master_port=free_port())
+        # What a later rollout needs to plan the same deployment again.
+        state["local"] = {"etcd": list(etcd), "master_port": addressing.master_port,
+                          "proxy_port": proxy_port, "generation": 0,
+                          "spec": self.spec.model_dump(mode="json", by_alias=True)}
         plan = build_plan(self.name, "local", self.spec, addressing)
         for file_name, content in plan.config_files.items():
             (self.folder.config / file_name).write_text(content)
@@ -175,7 +180,7 @@ class LocalDeployment:
                                        process_group=0)
         self.started.append(Started(spec, process, log))
         _record(self.folder, state, spec.name, process.pid,
-                {"port": spec.port, "health_path": spec.health_path,
+                {"port": spec.port, "health_path": spec.health_path, "role": spec.role,
                  "pre_stop": list(spec.pre_stop), "stop_grace": spec.stop_grace})
         self.echo(f"  started {spec.name} (pid {process.pid}"
                   + (f", port {spec.port})" if spec.port else ")"))
@@ -244,6 +249,84 @@ class LocalDeployment:
                         if i.spec.name not in (instance, f"{instance}-registrar")]
         return why
 
+    async def rollout(self, new_spec: DisaggServingSpec, timeout: float = 600.0,
+                      strategy: Literal["RollingUpdate", "Recreate"] = "RollingUpdate"
+                      ) -> list[str]:
+        """Move prefill and decode to `new_spec` the way the operator's Deployments do
+        (maxUnavailable 0, each new pod ready only once its registrar's peer check passes):
+        new instances start beside the old ones; once the proxy routes to new instances of
+        both roles with the new KV fingerprint, the old instances are drained one by one.
+        `Recreate` drains the old instances first, as Kubernetes' strategy of that name does
+        (requests meanwhile have no instance). Returns the drained instances. Changes beyond
+        prefill and decode (the proxy, the store, their shared config) are refused: those
+        restart processes clients talk to."""
+        state = self.folder.read_state()
+        local = state.get("local")
+        if not isinstance(local, dict):
+            raise StartupError(f"{self.folder.root} records no running deployment: start it "
+                               "with `local up` first")
+        addressing = LocalAddressing(tuple(local["etcd"]), int(local["master_port"]))
+        old_spec = DisaggServingSpec.model_validate(local["spec"])
+        old_plan = build_plan(self.name, "local", old_spec, addressing)
+        new_plan = build_plan(self.name, "local", new_spec, addressing)
+        if problem := outside_vllm_roles(old_plan, new_plan):
+            raise StartupError(f"this change {problem}, which a rollout here does not "
+                               "restart: run `local down` and `local up` with the new spec")
+        hooks = state.get("readiness") or {}
+        assert isinstance(hooks, dict)
+        old_instances = [name for name, hook in hooks.items()
+                         if hook.get("role") in VLLM_ROLES and hook.get("port")]
+        generation = int(local["generation"]) + 1
+        ports = assign_ports(new_plan, addressing, int(local["proxy_port"]), free_port)
+        programs = Programs(python=self.python, binaries=local_binaries(self.python))
+        skip = frozenset(c.role for c in new_plan.components) - set(VLLM_ROLES)
+        started = local_processes(new_plan, ports, self.folder.config, programs, os.environ,
+                                  skip_roles=frozenset(skip), generation=generation)
+        env = {**os.environ, **local_defaults(), **self.extra_env}
+        self.echo(f"rolling out generation {generation}: {len(started)} new processes beside "
+                  f"{len(old_instances)} old instances")
+        deadline = time.monotonic() + timeout
+        if strategy == "Recreate":
+            for instance in old_instances:
+                await self.drain(instance)
+            state = self.folder.read_state()
+        for process in started:
+            self._start(process, env, state)
+        await self._wait_ready(deadline)
+        fingerprint = compatibility_fingerprint(new_spec)
+        wanted = {str(c.role): c.replicas for c in new_plan.components if c.role in VLLM_ROLES}
+        await self._wait_fingerprint(f"http://{LOOPBACK}:{local['proxy_port']}", fingerprint,
+                                     wanted, deadline)
+        if strategy == "RollingUpdate":
+            for instance in old_instances:
+                await self.drain(instance)
+        state = self.folder.read_state()
+        state["local"] = {**local, "generation": generation,
+                          "spec": new_spec.model_dump(mode="json", by_alias=True)}
+        self.folder.write_state(state)
+        self.spec = new_spec
+        return old_instances
+
+    async def _wait_fingerprint(self, url: str, fingerprint: str, wanted: Mapping[str, int],
+                                deadline: float) -> None:
+        """The proxy routes to `wanted` healthy instances per role of `fingerprint`."""
+        while True:
+            try:
+                seen = json.loads(await asyncio.to_thread(_get, f"{url}/instances"))
+            except (OSError, ValueError):
+                seen = []
+            have = {role: sum(1 for i in seen if i.get("role") == role and i.get("healthy")
+                              and i.get("fingerprint") == fingerprint) for role in wanted}
+            if all(have[role] >= count for role, count in wanted.items()):
+                self.echo(f"  the proxy routes to new instances ({have})")
+                return
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise StartupError(f"the proxy sees {have} of {dict(wanted)} instances of "
+                                   f"fingerprint {fingerprint}; see the logs in "
+                                   f"{self.folder.logs}")
+            await asyncio.sleep(0.5)
+
     async def _wait_registered(self, url: str, expected: int, deadline: float) -> None:
         """The proxy sees every instance through etcd: the registrars did their job."""
         while True:
@@ -273,6 +356,17 @@ async def _wait_port_free(port: int, deadline: float) -> None:
                 if time.monotonic() > deadline:
                     raise StartupError(f"port {port} is still taken") from None
         await asyncio.sleep(0.1)
+
+
+def outside_vllm_roles(old: Plan, new: Plan) -> str | None:
+    """What differs between two plans beyond the prefill and decode instances, or None."""
+    if old.config_files != new.config_files:
+        return f"changes the shared config files ({', '.join(sorted(new.config_files))})"
+    others = {c.role: c for c in old.components if c.role not in VLLM_ROLES}
+    changed = [c.role for c in new.components
+               if c.role not in VLLM_ROLES and others.pop(c.role, None) != c]
+    changed += list(others)  # components the new spec no longer has
+    return f"changes {', '.join(sorted(changed))}" if changed else None
 
 
 def local_defaults() -> dict[str, str]:

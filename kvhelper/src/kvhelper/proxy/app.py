@@ -164,6 +164,12 @@ class Metrics:
                                    "The proxy's prompt hash against prefill's: agree or "
                                    "disagree (then skip_prefill never matches).", ["result"],
                                    registry=self.registry)
+        self.decode_alone = Counter(
+            "disagg_proxy_decode_alone_total",
+            "Requests a decode instance computed whole, by reason: no healthy prefill could "
+            "pair with a healthy decode (no_compatible_prefill), or the KV's decode instances "
+            "were gone after prefill (no_compatible_decode), e.g. during a rollout.",
+            ["reason"], registry=self.registry)
         self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def routed(self, route: Route) -> None:
@@ -344,9 +350,12 @@ class Proxy:
                 decode_body["kv_transfer_params"] = route.params
                 return await self._decode(request, route.fingerprint, "in the store",
                                           decode_body, headers)
-            prefill_backend, kv_params = await self._prefill(
+            prefilled = await self._prefill(
                 request.path, body, headers, decodable,
                 route.uncached_tokens if route is not None else 0)
+            if prefilled is None:
+                return await self._decode_alone(request, body, headers, "no_compatible_prefill")
+            prefill_backend, kv_params = prefilled
             if self.router is not None:
                 self._learn(prefill_backend, prompt, kv_params)
             if kv_params is not None:
@@ -383,11 +392,13 @@ class Proxy:
                         "so no prompt of theirs can skip prefill", fingerprint)
 
     async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                       decodable: set[str], uncached_tokens: int) -> tuple[Backend, Any]:
+                       decodable: set[str], uncached_tokens: int) -> tuple[Backend, Any] | None:
         """Prefill on an instance that some healthy decode instance can pair with (no prefill
         is spent on a request no decode instance could take); an instance that fails before
         answering is given up for another, up to `prefill_attempts` in all. With store-aware
-        routing, the instance with the least prompt tokens still to compute is picked."""
+        routing, the instance with the least prompt tokens still to compute is picked. None
+        when no prefill instance can pair with a decode instance at all (none is healthy, or,
+        in the middle of a rollout, none has a healthy decode of its fingerprint)."""
         started = time.perf_counter()
         load = _expected_work if self.router is not None else None
         done = await self._on_instances(
@@ -397,12 +408,7 @@ class Proxy:
             lambda backend: self._prefill_on(backend, path, body, headers, uncached_tokens))
         if done is not None:
             self._prefill_seconds.observe(time.perf_counter() - started)
-            return done
-        if self.pool.fingerprints("prefill"):
-            raise ProxyError(503, "no healthy prefill instance is compatible with a healthy "
-                             "decode instance (their KV fingerprints differ)",
-                             "service_unavailable")
-        raise ProxyError(503, "no healthy prefill instance", "service_unavailable")
+        return done
 
     async def _on_instances(self, phase: Role, attempts: int, request_id: str,
                             pick: Callable[[list[Backend]], Backend | None],
@@ -486,8 +492,27 @@ class Proxy:
             lambda backend: self._decode_on(request, backend, body, headers))
         if done is not None:
             return done[1]
-        raise ProxyError(503, f"no healthy decode instance compatible with the KV {kv_source}",
-                         "service_unavailable")
+        # The KV's instances are gone (an old revision draining away during a rollout): any
+        # decode instance computes the prompt itself rather than the request failing.
+        log.info("[%s] no healthy decode instance can load the KV %s", headers[REQUEST_ID],
+                 kv_source)
+        plain = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        return await self._decode_alone(request, plain, headers, "no_compatible_decode")
+
+    async def _decode_alone(self, request: web.Request, body: dict[str, Any],
+                            headers: dict[str, str], reason: str) -> web.StreamResponse:
+        """The whole request on one decode instance, which computes the prompt itself: no KV
+        crosses instances, so no two fingerprints are ever paired."""
+        log.info("[%s] decode computes the prompt itself: %s", headers[REQUEST_ID], reason)
+        self.metrics.decode_alone.labels(reason).inc()
+        load = _outstanding if self.router is not None else None
+        done = await self._on_instances(
+            "decode", self.config.decode_attempts, headers[REQUEST_ID],
+            lambda tried: self.pool.pick("decode", exclude=tried, load=load),
+            lambda backend: self._decode_on(request, backend, body, headers))
+        if done is not None:
+            return done[1]
+        raise ProxyError(503, "no healthy decode instance", "service_unavailable")
 
     async def _decode_on(self, request: web.Request, backend: Backend, body: dict[str, Any],
                          upstream_headers: dict[str, str]) -> web.StreamResponse:
