@@ -108,6 +108,21 @@ async def test_helm_install_for_listed_namespaces(cluster: Sandbox, tools: Path)
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}]
 
 
+async def test_the_operators_etcd_client_certificate_is_mounted_not_read(
+        cluster: Sandbox, tools: Path) -> None:
+    await helm_install(cluster, tools, {"etcdClientTLS": {"secretName": "operator-etcd"}})
+    (deployment,) = stored(cluster, "deployments")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert {"name": "DISAGG_ETCD_TLS_DIR", "value": "/etc/disagg-operator/etcd-tls"} in \
+        container["env"]
+    assert {"name": "etcd-tls", "mountPath": "/etc/disagg-operator/etcd-tls",
+            "readOnly": True} in container["volumeMounts"]
+    assert {"name": "etcd-tls", "secret": {"secretName": "operator-etcd",
+                                           "defaultMode": 0o440}} in pod["volumes"]
+    assert pod["securityContext"]["fsGroup"] == 65532
+
+
 async def test_helm_install_rejects_bad_values(cluster: Sandbox, tools: Path) -> None:
     env = {**cluster.env, "HELM_DRIVER": "memory"}
     result = await asyncio.to_thread(

@@ -145,3 +145,13 @@ def test_the_evaluator_follows_the_api_semantics() -> None:
         {"key": "tier", "operator": "NotIn", "values": ["db"]}]}, {})
     assert not selector_matches({"matchExpressions": [
         {"key": "tier", "operator": "Exists"}]}, {"app": "x"})
+
+
+def test_with_etcd_tls_only_the_operator_and_scrapers_reach_etcds_plain_metrics_port() -> None:
+    objects = rendered(etcd={"tls": {"clientSecret": "c", "serverSecret": "s"}},
+                       kvTransfer={"mooncake": {"metadataBackend": "P2PHANDSHAKE"}})
+    assert allowed(objects, "operator", "mla-etcd", "metrics")  # its health check
+    assert allowed(objects, "prometheus", "mla-etcd", "metrics")
+    assert not allowed(objects, "stranger", "mla-etcd", "metrics")
+    assert not allowed(objects, "mla-proxy", "mla-etcd", "metrics")
+    assert allowed(objects, "mla-proxy", "mla-etcd", "client")  # over TLS

@@ -341,3 +341,42 @@ def test_placement_gang_labels_exclusive_topology_and_decode_near_prefill() -> N
         parse_spec({**spec, "prefill": {"affinityToPrefill": {"topologyKey": "k"}}})
     with pytest.raises(InvalidSpecError, match="decode.exclusiveTopology"):
         parse_spec({**doc["spec"], "decode": {"exclusiveTopology": "rack"}})
+
+
+def test_etcd_tls_mounts_each_secret_only_where_it_is_used() -> None:
+    """The server Secret in etcd only, the client Secret in the registrars and the proxy only;
+    the Secrets' contents never reach an argument or an env value."""
+    objects = _render(ROOT / "examples" / "deepseek-v2-lite-etcd-tls.yaml")
+    mounted: dict[str, set[str]] = {}
+    for obj in objects:
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        pod = obj["spec"]["template"]["spec"]
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod.get("volumes", [])
+                   if "secret" in v}
+        for container in pod["containers"]:
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] in secrets:
+                    assert mount["readOnly"] is True
+                    mounted.setdefault(secrets[mount["name"]], set()).add(
+                        f"{obj['metadata']['name']}/{container['name']}")
+    assert mounted == {
+        "dsv2-lite-tls-etcd-server": {"dsv2-lite-tls-etcd/etcd"},
+        "dsv2-lite-tls-etcd-client": {"dsv2-lite-tls-prefill/registrar",
+                                      "dsv2-lite-tls-decode/registrar",
+                                      "dsv2-lite-tls-proxy/proxy"}}
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"etcd": {"tls": {"clientSecret": "c"}}}, "etcd.tls.serverSecret"),
+    ({"etcd": {"mode": "External", "endpoints": ["e:2379"],
+               "tls": {"clientSecret": "c", "serverSecret": "s"}}}, "etcd.tls.serverSecret"),
+    ({"etcd": {"tls": {"clientSecret": "c", "serverSecret": "s"}}},
+     "kvTransfer.mooncake.metadataBackend"),
+    ({"etcd": {"tls": {"clientSecret": "c", "serverSecret": "s"}},
+      "kvTransfer": {"mooncake": {"metadataBackend": "P2PHANDSHAKE"}},
+      "mooncakeMaster": {"replicas": 2}}, "mooncakeMaster.replicas"),
+])
+def test_etcd_tls_refuses_what_cannot_use_it(change: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidSpecError, match=f"^spec.{field}: "):
+        parse_spec({"model": {"name": "m"}, **change})

@@ -12,8 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-import aetcd
-
+from kvhelper.etcd_client import EtcdTls, etcd_client
 from kvhelper.instances import Instance
 
 log = logging.getLogger("kvhelper.discovery")
@@ -35,9 +34,11 @@ class StaticDiscovery:
 
 class EtcdDiscovery:
     def __init__(self, endpoints: list[tuple[str, int]], prefix: str,
-                 backoff: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0)) -> None:
+                 backoff: tuple[float, ...] = (0.2, 0.5, 1.0, 2.0, 5.0),
+                 tls: EtcdTls | None = None) -> None:
         self.endpoints = endpoints
         self.prefix = prefix
+        self.tls = tls
         self.backoff = backoff
         self.connected = asyncio.Event()
 
@@ -59,7 +60,7 @@ class EtcdDiscovery:
     async def _follow(self, host: str, port: int, listener: Listener,
                       stop: asyncio.Event) -> None:
         prefix = self.prefix.encode()
-        async with aetcd.Client(host=host, port=port, timeout=5) as client:
+        async with etcd_client(host, port, tls=self.tls) as client:
             snapshot = await client.get_prefix(prefix)
             instances: dict[str, Instance] = {}
             for kv in snapshot:

@@ -19,18 +19,17 @@ import argparse
 import asyncio
 import sys
 
-import aetcd
-
+from kvhelper.etcd_client import EtcdTls, etcd_client
 from kvhelper.instances import ROLES, Instance, split_endpoints
 
 
 async def registered_fingerprints(endpoints: list[tuple[str, int]], prefix: str, role: str,
-                                  timeout: float) -> list[str]:
+                                  timeout: float, tls: EtcdTls | None = None) -> list[str]:
     """The fingerprints of `role`'s registered instances, from the first member that answers."""
     last: Exception | None = None
     for host, port in endpoints:
         try:
-            async with aetcd.Client(host=host, port=port, timeout=timeout) as client:
+            async with etcd_client(host, port, int(max(1, timeout)), tls) as client:
                 found = await client.get_prefix(f"{prefix}{role}/".encode())
                 fingerprints = []
                 for kv in found:
@@ -63,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         found = asyncio.run(registered_fingerprints(args.endpoints, args.prefix, args.peer_role,
-                                                    args.timeout))
-    except ConnectionError as err:
+                                                    args.timeout, EtcdTls.from_env()))
+    except (ConnectionError, OSError, ValueError) as err:
         print(f"cannot ask etcd: {err}")
         return 2
     if args.fingerprint in found:

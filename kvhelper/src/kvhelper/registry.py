@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import aetcd
 import aiohttp
 
+from kvhelper.etcd_client import EtcdTls, etcd_client
 from kvhelper.instances import ROLES, Instance, split_endpoints
 
 log = logging.getLogger("kvhelper.registry")
@@ -36,6 +37,7 @@ class RegistrarConfig:
     ttl: int = 10
     interval: float = 2.0  # between health checks and lease renewals
     unhealthy_after: int = 3  # consecutive failed checks before withdrawing
+    tls: EtcdTls | None = None  # from the environment (kvhelper.etcd_client)
 
 
 class Registrar:
@@ -50,7 +52,7 @@ class Registrar:
     async def _etcd(self) -> aetcd.Client:
         if self._client is None:
             host, port = self.config.etcd[self._endpoint]
-            self._client = aetcd.Client(host=host, port=port, timeout=5)
+            self._client = etcd_client(host, port, tls=self.config.tls)
         return self._client
 
     async def _next_endpoint(self) -> None:
@@ -152,9 +154,13 @@ def parse_args(argv: list[str] | None = None) -> RegistrarConfig:
         parser.error("--interval must be shorter than --ttl (and --ttl at least 2 s)")
     instance = Instance(id=args.id, role=args.role, url=args.url.rstrip("/"), model=args.model,
                         fingerprint=args.fingerprint)
+    try:
+        tls = EtcdTls.from_env()
+    except (OSError, ValueError) as err:
+        parser.error(f"etcd TLS: {err}")
     return RegistrarConfig(instance=instance, health_url=args.health_url, etcd=etcd,
                            prefix=args.prefix, ttl=args.ttl, interval=args.interval,
-                           unhealthy_after=args.unhealthy_after)
+                           unhealthy_after=args.unhealthy_after, tls=tls)
 
 
 async def _main(config: RegistrarConfig) -> None:

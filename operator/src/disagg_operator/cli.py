@@ -84,11 +84,16 @@ def render_cmd(path: Path, namespace: str, default_image: str,
 @click.option("--lease-seconds", default=15.0, show_default=True,
               help="How long a leader's Lease lasts without renewal; a standby takes over "
               "within about this long after the leader dies.")
+@click.option("--etcd-tls-dir", type=click.Path(file_okay=False, path_type=Path),
+              envvar="DISAGG_ETCD_TLS_DIR", default=None,
+              help="ca.crt, tls.crt and tls.key: the operator's own client certificate for "
+              "the health check of external etcds with TLS (the chart mounts "
+              "etcdClientTLS.secretName here).")
 def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: float,
             cluster_domain: str, metrics_port: int, health_port: int, log_format: str,
             verbose: bool, etcd_addresses: tuple[str, ...],
             operator_namespace: str | None, leader_election: bool, leader_id: str | None,
-            lease_seconds: float) -> None:
+            lease_seconds: float, etcd_tls_dir: Path | None) -> None:
     """Run the operator against the cluster of $KUBECONFIG or the pod's service account."""
     overrides = {}
     for item in etcd_addresses:
@@ -118,7 +123,7 @@ def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: flo
                                     lease_seconds * 2 / 15)
     config = OperatorConfig(default_image=default_image, resync_seconds=resync_seconds,
                             cluster_domain=cluster_domain, metrics_port=metrics_port or None,
-                            etcd_address_overrides=overrides,
+                            etcd_address_overrides=overrides, etcd_tls_dir=etcd_tls_dir,
                             operator_namespace=operator_namespace, leader_election=election,
                             lease_namespace=operator_namespace or "default",
                             stop_flag=stop_flag)

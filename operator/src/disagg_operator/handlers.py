@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import kopf
@@ -45,6 +46,7 @@ class OperatorConfig:
     cluster_domain: str = "cluster.local"
     etcd_address_overrides: Mapping[str, str] = field(default_factory=dict)
     etcd_health_ttl_seconds: float = 10.0
+    etcd_tls_dir: Path | None = None  # the operator's own etcd client certificate
     metrics_port: int | None = None
     # Pod host:port -> host:port for the planner's metrics scrapes (tests: loopback servers).
     metrics_address_overrides: Mapping[str, str] = field(default_factory=dict)
@@ -104,7 +106,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     reconciler = Reconciler(
         LightkubeApi(client),
         EtcdHealthChecker(ttl=config.etcd_health_ttl_seconds,
-                          address_overrides=config.etcd_address_overrides),
+                          address_overrides=config.etcd_address_overrides,
+                          tls_dir=config.etcd_tls_dir),
         default_image=config.default_image, cluster_domain=config.cluster_domain,
         resync_seconds=config.resync_seconds,
         not_ready_resync_seconds=config.not_ready_resync_seconds,

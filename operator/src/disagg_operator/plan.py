@@ -37,6 +37,10 @@ PROXY_CACHE_DIR = "/var/cache/disagg-proxy"
 ANNOTATION_COMPAT = "serving.disagg.dev/compatibility"
 ETCD_CLIENT_PORT = 2379
 ETCD_PEER_PORT = 2380
+ETCD_METRICS_PORT = 2381  # a managed etcd's /health and /metrics, over plain HTTP, with TLS
+# Where containers find etcd TLS files (cert-manager's layout: ca.crt, tls.crt, tls.key).
+ETCD_CLIENT_TLS_DIR = "/etc/disagg-etcd-client-tls"
+ETCD_SERVER_TLS_DIR = "/etc/etcd-tls"
 STORE_HTTP_PORT = 9300  # the store pod's /health and /metrics
 MULTI_NODE_PORT = 29500  # where an instance's node-rank 0 gathers its other nodes
 # Set by the LeaderWorkerSet controller in every pod of a group.
@@ -91,9 +95,17 @@ EnvValue = str | PodIP | PodName | SecretKey
 
 
 @dataclass(frozen=True)
+class SecretMount:
+    """A Secret's files, read-only in one process's container (Kubernetes only)."""
+
+    volume: str
+    secret: str
+    path: str
+
+
+@dataclass(frozen=True)
 class Process:
     """One long-running process (a container in Kubernetes)."""
-
     name: str
     command: tuple[str, ...]
     env: tuple[tuple[str, EnvValue], ...] = ()
@@ -103,6 +115,8 @@ class Process:
     pre_stop: tuple[str, ...] = ()
     # Succeeds once the process may count as started (an exec startup probe in Kubernetes).
     startup_check: tuple[str, ...] = ()
+    secret_mounts: tuple[SecretMount, ...] = ()
+    health_port: str | None = None  # the port its probes use; None: the first
 
 
 @dataclass(frozen=True)
@@ -166,6 +180,10 @@ class Plan:
     etcd_managed: bool
     registry_prefix: str
     mooncake_master_address: str | None
+    # How the operator checks etcd: None, gRPC to etcd_endpoints; "metrics", plain HTTP
+    # /health on a managed etcd's metrics port (its client port wants a certificate);
+    # "https", /health on etcd_endpoints with the operator's own client certificate.
+    etcd_health_via: str | None = None
     config_files: dict[str, str] = field(default_factory=dict)  # file name -> content
     components: tuple[Component, ...] = ()
     # In Kubernetes only:
@@ -239,8 +257,10 @@ def build_plan(name: str, namespace: str, spec: DisaggServingSpec,
                                           addressing, store_env))
     components.append(_proxy_component(spec, etcd_endpoints, registry_prefix,
                                        bool(config_files), store_env))
+    health_via = None if spec.etcd.tls is None else "metrics" if etcd_managed else "https"
     return Plan(name=name, etcd_endpoints=etcd_endpoints, etcd_managed=etcd_managed,
                 registry_prefix=registry_prefix, mooncake_master_address=master,
+                etcd_health_via=health_via,
                 config_files=config_files, components=tuple(components),
                 image=spec.image, image_pull_policy=spec.image_pull_policy,
                 image_pull_secrets=tuple(s.name for s in spec.image_pull_secrets),
@@ -433,8 +453,9 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
             "--prefix", registry_prefix,
             "--fingerprint", compatibility_fingerprint(spec),
         ),
-        env=(("POD_IP", PodIP()),),
+        env=(("POD_IP", PodIP()), *etcd_client_env(spec)),
         startup_check=peer_check_command(role, spec, etcd_endpoints, registry_prefix),
+        secret_mounts=etcd_client_mounts(spec),
     )
     cache = spec.model.cache
     compat = ",".join(f"{k}={v}" for k, v in compatibility_labels(spec).items())
@@ -449,6 +470,21 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
                                             cache.empty_dir_size_limit),
                      annotations=((ANNOTATION_COMPAT, compat), *network_annotations(spec)),
                      stop_grace_seconds=grace, network=pod_network(spec))
+
+
+def etcd_client_env(spec: DisaggServingSpec) -> tuple[tuple[str, EnvValue], ...]:
+    """Where kvhelper's etcd clients find their TLS files (kvhelper.etcd_client)."""
+    if spec.etcd.tls is None:
+        return ()
+    return (("KVHELPER_ETCD_CA_FILE", f"{ETCD_CLIENT_TLS_DIR}/ca.crt"),
+            ("KVHELPER_ETCD_CERT_FILE", f"{ETCD_CLIENT_TLS_DIR}/tls.crt"),
+            ("KVHELPER_ETCD_KEY_FILE", f"{ETCD_CLIENT_TLS_DIR}/tls.key"))
+
+
+def etcd_client_mounts(spec: DisaggServingSpec) -> tuple[SecretMount, ...]:
+    if spec.etcd.tls is None:
+        return ()
+    return (SecretMount("etcd-client-tls", spec.etcd.tls.client_secret, ETCD_CLIENT_TLS_DIR),)
 
 
 def peer_check_command(role: VLLMRole, spec: DisaggServingSpec,
@@ -504,9 +540,10 @@ def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
                  "--routing", spec.proxy.routing,
                  "--etcd", ",".join(etcd_endpoints),
                  "--prefix", registry_prefix, *routing_args),
-        env=tuple(env),
+        env=(*env, *etcd_client_env(spec)),
         ports=(("http", port),),
         health_path="/health",
+        secret_mounts=etcd_client_mounts(spec),
     )
     return Component(role=Role.PROXY, replicas=spec.proxy.replicas, main=main,
                      reads_config=routes_on_store,
@@ -580,22 +617,39 @@ def _store_component(spec: DisaggServingSpec, master: str, etcd_endpoints: tuple
 
 def _etcd_component(name: str, spec: DisaggServingSpec) -> Component:
     peer_service = child_name(name, ETCD)
+    tls = spec.etcd.tls
+    client_scheme = "https" if tls else "http"
+    tls_args: tuple[str, ...] = ()
+    ports: tuple[tuple[str, int], ...] = (("client", ETCD_CLIENT_PORT), ("peer", ETCD_PEER_PORT))
+    if tls is not None:
+        # Clients present a certificate the Secret's CA signed. /health and /metrics move to
+        # a plain HTTP listener of their own, for the kubelet's probes and the operator.
+        tls_args = (f"--cert-file={ETCD_SERVER_TLS_DIR}/tls.crt",
+                    f"--key-file={ETCD_SERVER_TLS_DIR}/tls.key",
+                    f"--trusted-ca-file={ETCD_SERVER_TLS_DIR}/ca.crt", "--client-cert-auth",
+                    f"--listen-metrics-urls=http://0.0.0.0:{ETCD_METRICS_PORT}")
+        ports = (*ports, ("metrics", ETCD_METRICS_PORT))
     main = Process(
         name="etcd",
         command=(
             "etcd",
             "--name=$(POD_NAME)",
             "--data-dir=/var/lib/etcd",
-            f"--listen-client-urls=http://0.0.0.0:{ETCD_CLIENT_PORT}",
-            f"--advertise-client-urls=http://$(POD_NAME).{peer_service}:{ETCD_CLIENT_PORT}",
+            f"--listen-client-urls={client_scheme}://0.0.0.0:{ETCD_CLIENT_PORT}",
+            f"--advertise-client-urls={client_scheme}://$(POD_NAME).{peer_service}:"
+            f"{ETCD_CLIENT_PORT}",
             f"--listen-peer-urls=http://0.0.0.0:{ETCD_PEER_PORT}",
             f"--initial-advertise-peer-urls=http://$(POD_NAME).{peer_service}:{ETCD_PEER_PORT}",
             f"--initial-cluster=$(POD_NAME)=http://$(POD_NAME).{peer_service}:{ETCD_PEER_PORT}",
             "--initial-cluster-state=new",
+            *tls_args,
         ),
         env=(("POD_NAME", PodName()),),
-        ports=(("client", ETCD_CLIENT_PORT), ("peer", ETCD_PEER_PORT)),
+        ports=ports,
         health_path="/health",
+        health_port="metrics" if tls else None,
+        secret_mounts=((SecretMount("etcd-server-tls", tls.server_secret, ETCD_SERVER_TLS_DIR),)
+                       if tls is not None and tls.server_secret else ()),
     )
     etcd = spec.etcd
     return Component(role=Role.ETCD, replicas=1, main=main, resources=etcd.resources,

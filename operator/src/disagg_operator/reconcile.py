@@ -238,7 +238,7 @@ class Reconciler:
         except ApiFailure as err:
             apply_error = f"the API server refused {target}: {err.message}"
 
-        health = await self.etcd.check(plan.etcd_endpoints)
+        health = await self.etcd.check(plan.etcd_endpoints, plan.etcd_health_via)
         observation = Observation(
             generation=generation, desired=desired, observed=observed,
             etcd_mode="Managed" if plan.etcd_managed else "External",

@@ -176,7 +176,7 @@ def _env(process: plans.Process, extra: list[dict[str, Any]] | None = None) -> l
 
 
 def _probe(process: plans.Process, *, period: int, failures: int) -> dict[str, Any]:
-    port_name = process.ports[0][0]
+    port_name = process.health_port or process.ports[0][0]
     action: dict[str, Any] = ({"httpGet": {"path": process.health_path, "port": port_name}}
                               if process.health_path else {"tcpSocket": {"port": port_name}})
     return {**action, "periodSeconds": period, "failureThreshold": failures,
@@ -207,7 +207,21 @@ def _container(process: plans.Process, image: str, pull_policy: str,
                               for n, p in process.ports]
     if process.pre_stop:
         container["lifecycle"] = {"preStop": {"exec": {"command": list(process.pre_stop)}}}
+    if process.secret_mounts:
+        container["volumeMounts"] = [{"name": m.volume, "mountPath": m.path, "readOnly": True}
+                                     for m in process.secret_mounts]
     return container
+
+
+def _secret_volumes(processes: list[plans.Process]) -> list[dict[str, Any]]:
+    """The pod volumes of its containers' Secret mounts, each once; group-readable (the
+    pod's fsGroup), never world-readable."""
+    found: dict[str, dict[str, Any]] = {}
+    for process in processes:
+        for mount in process.secret_mounts:
+            found.setdefault(mount.volume, {"name": mount.volume, "secret": {
+                "secretName": mount.secret, "defaultMode": 0o440}})
+    return list(found.values())
 
 
 def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
@@ -259,8 +273,10 @@ def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
         mounts.append({"name": "cache", "mountPath": component.cache_dir})
         volumes.append({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}})
     if mounts:
-        main["volumeMounts"] = mounts
-    for sidecar in () if worker else component.sidecars:
+        main["volumeMounts"] = [*mounts, *main.get("volumeMounts", [])]
+    sidecars = () if worker else component.sidecars
+    volumes += _secret_volumes([process, *sidecars])
+    for sidecar in sidecars:
         side = _container(sidecar, image, plan.image_pull_policy,
                           _container_security(read_only=True))
         if sidecar.startup_check:
@@ -355,7 +371,8 @@ def _render_etcd(owner: Owner, plan: plans.Plan,
     assert component.image is not None, "etcd runs its own image"
     main = _container(component.main, component.image, plan.image_pull_policy,
                       _container_security(read_only=True))
-    main["volumeMounts"] = [{"name": "data", "mountPath": "/var/lib/etcd"}]
+    main["volumeMounts"] = [{"name": "data", "mountPath": "/var/lib/etcd"},
+                            *main.get("volumeMounts", [])]
     main["readinessProbe"] = _probe(component.main, period=5, failures=3)
     main["livenessProbe"] = _probe(component.main, period=15, failures=4)
     main["resources"] = copy.deepcopy(dict(component.resources or {})
@@ -382,12 +399,15 @@ def _render_etcd(owner: Owner, plan: plans.Plan,
         }]
     else:
         pod_spec["volumes"] = [{"name": "data", "emptyDir": {}}]
+    if secrets := _secret_volumes([component.main]):
+        pod_spec["volumes"] = [*pod_spec.get("volumes", []), *secrets]
     statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet",
                    "metadata": child_meta(owner, name, Role.ETCD), "spec": sts_spec}
     peers = _service(owner, name, component, headless=True)
     peers["spec"]["publishNotReadyAddresses"] = True  # members must find each other to start
     client = _service(owner, child_name(owner.name, ETCD_CLIENT), component, headless=False)
-    client["spec"]["ports"] = [p for p in client["spec"]["ports"] if p["name"] == "client"]
+    client["spec"]["ports"] = [p for p in client["spec"]["ports"]
+                               if p["name"] in ("client", "metrics")]
     return [statefulset, peers, client]
 
 

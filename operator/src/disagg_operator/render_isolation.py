@@ -10,6 +10,7 @@ The flows allowed, each only between pods of the same DisaggServing unless said 
 - vLLM instances, store pods and the proxy (its store lookups) -> the master's RPC port;
 - vLLM instances (their registrars and Mooncake's metadata), store pods, the proxy (instance
   discovery) and the operator (its health check) -> etcd's client port; etcd <-> etcd peers;
+  with TLS, the operator and metricsFrom -> etcd's plain metrics port (/health, /metrics);
 - the operator (the planner's scrape) and spec.networkPolicy.metricsFrom -> every metrics port.
 Egress is not restricted.
 """
@@ -91,6 +92,8 @@ def _policy(owner: Owner, plan: plans.Plan, component: plans.Component,
     elif role == Role.ETCD:
         allow([_peers(owner, ETCD_CLIENTS), *_operator(operator_namespace)], "client")
         allow([_peers(owner, (Role.ETCD,))], "peer")
+        if "metrics" in ports:  # with TLS: the operator's health check and scrapes
+            allow(observers, "metrics")
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": child_meta(owner, child_name(owner.name, role), role),
             "spec": {"podSelector": {"matchLabels": selector_labels(owner.name, role)},

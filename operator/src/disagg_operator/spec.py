@@ -308,6 +308,20 @@ class ProxySpec(_Model):
         return _fill_object_defaults(cls, data)
 
 
+class EtcdTlsSpec(_Model):
+    """Client TLS to the DisaggServing's etcd: Secrets in cert-manager's layout (ca.crt,
+    tls.crt, tls.key), mounted where they are used and never read by the operator."""
+
+    client_secret: str = Field(
+        min_length=1, description="Secret with the CA that signed etcd's serving certificate "
+        "and the client certificate that registrars and the proxy present (etcd runs with "
+        "--client-cert-auth).")
+    server_secret: str | None = Field(
+        default=None, description="Managed etcd only (required there): the serving "
+        "certificate, valid for NAME-etcd-client.NAMESPACE.svc and its cluster domain form, "
+        "with the CA that signed the client certificates.")
+
+
 class EtcdSpec(_Model):
     mode: Literal["Managed", "External"] = Field(
         default="Managed", description="Managed: the operator runs etcd; External: use endpoints.")
@@ -318,6 +332,10 @@ class EtcdSpec(_Model):
         default=None, description="Managed etcd data PVC size; default: an emptyDir.",
         json_schema_extra={"x-kubernetes-int-or-string": True})
     resources: dict[str, Any] | None = _passthrough("Managed etcd resources.", _K8S_OBJECT)
+    tls: EtcdTlsSpec | None = Field(
+        default=None, description="Client TLS (off when unset). Mooncake's etcd client takes "
+        "no TLS settings: with TLS, use kvTransfer.mooncake.metadataBackend P2PHANDSHAKE and "
+        "one Mooncake master.")
 
     cel_rules = (CelRule(
         rule="self.mode != 'External' || size(self.endpoints) > 0",
@@ -599,12 +617,40 @@ def parse_spec(raw: dict[str, Any] | None) -> DisaggServingSpec:
             f"store pods hold the Mooncake store's memory, and kvTransfer.connector is "
             f"{spec.kv_transfer.connector.value}: set store.replicas to 0, or use the "
             "MooncakeStore connector"))
+    check_etcd_tls(spec)
     if spec.proxy.store_routing and spec.kv_transfer.load_failure_policy == "Fail":
         raise InvalidSpecError("proxy.storeRouting", (
             "skipping prefill relies on decode recomputing a prompt whose pages were evicted "
             "after the proxy looked, but kvTransfer.loadFailurePolicy is Fail: set "
             "loadFailurePolicy to Recompute, or proxy.storeRouting to false"))
     return spec
+
+
+def check_etcd_tls(spec: DisaggServingSpec) -> None:
+    """TLS to etcd needs a serving certificate when the operator runs etcd, and no client
+    that cannot speak it: Mooncake's etcd client (libetcd_wrapper, used for transfer-engine
+    metadata and the masters' HA election) has no TLS settings."""
+    tls = spec.etcd.tls
+    if tls is None:
+        return
+    if spec.etcd.mode == "Managed" and not tls.server_secret:
+        raise InvalidSpecError("etcd.tls.serverSecret", (
+            "is required for a managed etcd with TLS: name a Secret with its serving "
+            "certificate (e.g. one cert-manager issues for the etcd-client Service)"))
+    if spec.etcd.mode == "External" and tls.server_secret:
+        raise InvalidSpecError("etcd.tls.serverSecret", (
+            "is for a managed etcd; an external etcd has its own serving certificate: "
+            "remove serverSecret"))
+    if spec.kv_transfer.connector != ConnectorName.MOONCAKE_STORE:
+        return
+    if spec.kv_transfer.mooncake.metadata_backend == "etcd":
+        raise InvalidSpecError("kvTransfer.mooncake.metadataBackend", (
+            "is etcd, but Mooncake's etcd client cannot use TLS: set it to P2PHANDSHAKE "
+            "(no metadata server), or remove etcd.tls"))
+    if spec.mooncake_master.replicas > 1:
+        raise InvalidSpecError("mooncakeMaster.replicas", (
+            "above 1 elects the masters' leader through etcd, and Mooncake's etcd client "
+            "cannot use TLS: set replicas to 1, or remove etcd.tls"))
 
 
 def store_routing(spec: DisaggServingSpec) -> bool:

@@ -119,6 +119,10 @@ def local_processes(plan: Plan, ports: Ports, config_dir: Path,
 
 def _local(component: Component, process: Process, instance: str, ports: Mapping[int, int],
            config_dir: Path, programs: Programs, caller_env: Mapping[str, str]) -> LocalProcess:
+    if process.secret_mounts:
+        raise LocalPlanError(
+            f"{component.role} mounts Secret {process.secret_mounts[0].secret} (etcd.tls), "
+            "which exists only in Kubernetes: remove spec.etcd.tls to run here")
     env = {name: _env_value(value, instance, process, caller_env)
            for name, value in process.env if name not in POD_ONLY_ENV}
     env.setdefault("POD_NAME", instance)

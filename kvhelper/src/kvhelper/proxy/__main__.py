@@ -25,6 +25,7 @@ import signal
 from typing import Any
 
 from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
+from kvhelper.etcd_client import EtcdTls
 from kvhelper.instances import split_endpoints
 from kvhelper.proxy.app import Proxy, ProxyConfig
 from kvhelper.proxy.server import serve
@@ -125,7 +126,7 @@ def config(args: argparse.Namespace) -> ProxyConfig:
 
 def build(args: argparse.Namespace) -> Proxy:
     discovery: StaticDiscovery | EtcdDiscovery = (
-        EtcdDiscovery(args.etcd_endpoints, args.prefix) if args.etcd
+        EtcdDiscovery(args.etcd_endpoints, args.prefix, tls=EtcdTls.from_env()) if args.etcd
         else StaticDiscovery(args.prefill, args.decode))
     proxy = Proxy(args.config, discovery)
     if args.store_routing:
