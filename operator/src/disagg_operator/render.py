@@ -119,8 +119,10 @@ def _render_group(owner: Owner, plan: plans.Plan, component: plans.Component, im
     group: dict[str, Any] = {
         "replicas": component.replicas,
         "startupPolicy": "LeaderCreated",
+        # As for one-node instances: a new group starts beside the old ones (one spare group
+        # of nodes per role during a rollout), and an old group goes only for a ready new one.
         "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": {
-            "maxUnavailable": 1, "maxSurge": 0}},
+            "maxUnavailable": 0, "maxSurge": 1}},
         "leaderWorkerTemplate": {
             "size": component.nodes,
             "restartPolicy": "RecreateGroupOnPodRestart",
