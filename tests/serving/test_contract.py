@@ -36,6 +36,7 @@ READ_ELSEWHERE = {
     "NCCL_SOCKET_IFNAME": "NCCL's bootstrap and socket transport (multi-node instances)",
     "GLOO_SOCKET_IFNAME": "torch.distributed's Gloo backend (multi-node instances)",
     "MC_STORE_CLUSTER_ID": "Mooncake's client: the HA masters' election key in etcd",
+    "VLLM_HOST_IP": "vLLM's get_ip: where other nodes' ranks and its store connector reach it",
 }
 
 

@@ -417,9 +417,13 @@ def _vllm_component(role: VLLMRole, spec: DisaggServingSpec,
     if spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE:
         # The store's own address comes from POD_IP above (kvhelper.store).
         env.append(("MOONCAKE_CONFIG_PATH", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}"))
-        if spec.kv_transfer.implementation == "vllm":
-            # vLLM's connector gives the store vLLM's idea of this host's address.
-            env.append(("VLLM_HOST_IP", PodIP()))
+    if (role_spec.nodes_per_instance > 1 or (
+            spec.kv_transfer.connector == ConnectorName.MOONCAKE_STORE
+            and spec.kv_transfer.implementation == "vllm")):
+        # vLLM's own idea of this host's address, which it otherwise guesses from a route to
+        # the internet: where the other nodes' ranks reach this one (its message queues), and
+        # what vLLM's store connector gives the store.
+        env.append(("VLLM_HOST_IP", PodIP()))
     if spec.hf_token_secret is not None:
         env.append(("HF_TOKEN", SecretKey.of(spec.hf_token_secret, "spec.hfTokenSecret")))
     if spec.vllm_api_key_secret is not None:
