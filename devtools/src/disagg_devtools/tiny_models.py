@@ -73,7 +73,9 @@ def make_gqa(out: Path, seed: int = GQA_SEED) -> Path:
     return out
 
 
-def make_mla(out: Path, seed: int = MLA_SEED) -> Path:
+def make_mla(out: Path, seed: int = MLA_SEED, dense: bool = False) -> Path:
+    """`dense`: every layer's MLP dense (no experts), for vLLM's CPU data parallelism, whose
+    MoE layers would gather tokens across ranks through a collective the CPU build lacks."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
@@ -84,7 +86,7 @@ def make_mla(out: Path, seed: int = MLA_SEED) -> Path:
         **_common(), **vllm_only, num_attention_heads=4, num_key_value_heads=4,
         kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
         v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        moe_intermediate_size=64, first_k_dense_replace=1, n_group=1, topk_group=1,
+        moe_intermediate_size=64, first_k_dense_replace=2 if dense else 1, n_group=1, topk_group=1,
         norm_topk_prob=True, routed_scaling_factor=1.0)
     _save(config, DeepseekV3ForCausalLM, out, seed)
     _tokenizer(out)
