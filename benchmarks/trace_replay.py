@@ -198,6 +198,30 @@ class Row:
     outcome: Outcome
     routes: dict[str, float]
     store: tuple[float, float] = (0.0, 0.0)  # keys and bytes the store held at the end
+    # Mean seconds per request at the proxy: store lookup, prefill, decode to its first byte.
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+PHASES = (("lookup", "disagg_proxy_store_lookup_seconds", ""),
+          ("prefill", "disagg_proxy_phase_seconds", 'phase="prefill"'),
+          ("decode", "disagg_proxy_phase_seconds", 'phase="decode"'))
+
+
+def phase_means(text: str) -> dict[str, float]:
+    """Where a request's time goes at the proxy: the mean of each phase's histogram."""
+    means = {}
+    for phase, metric, label in PHASES:
+        total = count = 0.0
+        for line in text.splitlines():
+            if label in line and line.startswith((f"{metric}_sum", f"{metric}_count")):
+                value = float(line.rsplit(" ", 1)[1])
+                if line.startswith(f"{metric}_sum"):
+                    total += value
+                else:
+                    count += value
+        if count:
+            means[phase] = total / count
+    return means
 
 
 def route_counts(text: str) -> dict[str, float]:
@@ -248,7 +272,8 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         # vLLM publishes its counters on its logging interval, not with each response.
         time.sleep(12)
         after = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens))
-        routes = route_counts(scrape_text(url))
+        proxy_text = scrape_text(url)
+        routes, phases = route_counts(proxy_text), phase_means(proxy_text)
         store = store_usage(deployment, doc["metadata"]["name"])
         skipped_tail = 0.0
         if routes.get("skip_prefill"):
@@ -258,7 +283,7 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         stop_recorded(folder, lambda _: None)
     total = work.prompt_tokens
     return Row(f"{stack} {prefills}P2D", (after[0] - before[0] + skipped_tail) / total,
-               (after[1] - before[1]) / total, outcome, routes, store)
+               (after[1] - before[1]) / total, outcome, routes, store, phases)
 
 
 def store_usage(deployment: Any, name: str) -> tuple[float, float]:
@@ -315,13 +340,18 @@ def run_monolithic(kind: str, work: Replay, folder_root: Path, max_tokens: int) 
     return Row("monolithic", share, share, outcome, {})
 
 
+def phase_column(phases: dict[str, float]) -> str:
+    return "/".join(f"{phases[p] * 1000:.0f}" if p in phases else "-" for p, _, _ in PHASES) \
+        + " ms"
+
+
 def report(kind: str, work: Replay, rows: list[Row]) -> str:
     ideal = work.ideal_computed() / work.prompt_tokens
     lines = [f"tiny {kind.upper()} model: {len(work.prompts)} requests, "
              f"{work.prompt_tokens} prompt tokens; ideal computed share {ideal:.3f}",
              f"{'stack':<22}{'computed':>9}{'vs ideal':>9}{'all inst':>9}"
              f"{'TTFT p50':>10}{'p90':>8}{'e2e p50':>9}{'failed':>7}{'keys':>7}"
-             f"{'MiB':>7}  routes"]
+             f"{'MiB':>7}{'lookup/prefill/decode':>23}  routes"]
     for row in rows:
         out = row.outcome
         lines.append(
@@ -329,7 +359,8 @@ def report(kind: str, work: Replay, rows: list[Row]) -> str:
             f"{row.all_share:>9.3f}{statistics.median(out.ttft or [0]) * 1000:>8.0f}ms"
             f"{percentile(out.ttft, 0.9) * 1000:>6.0f}ms"
             f"{statistics.median(out.e2e or [0]) * 1000:>7.0f}ms{out.failed:>7}"
-            f"{row.store[0]:>7.0f}{row.store[1] / 2**20:>7.1f}  "
+            f"{row.store[0]:>7.0f}{row.store[1] / 2**20:>7.1f}"
+            f"{phase_column(row.phases):>23}  "
             + " ".join(f"{k}={v:.0f}" for k, v in sorted(row.routes.items())))
     return "\n".join(lines)
 
@@ -365,7 +396,7 @@ def main() -> None:
             if stack == "monolithic":
                 rows.append(run_monolithic(args.kind, work, root, args.max_tokens))
                 continue
-            for prefills in (args.prefills if stack == "kvhelper" else args.prefills[:1]):
+            for prefills in (args.prefills[:1] if stack == "kvhelper-save" else args.prefills):
                 rows.append(run_stack(args.kind, stack, prefills, work, root, args.max_tokens))
             print(report(args.kind, work, rows), flush=True)
     print(report(args.kind, work, rows))

@@ -131,3 +131,38 @@ def test_a_hung_master_costs_a_lookup_its_timeout_not_the_scheduler(tmp_path: Pa
             assert time.monotonic() < deadline, "lookups did not come back"
             time.sleep(0.2)
         lookup.close()
+
+
+def test_concurrent_lookups_each_get_an_answer() -> None:
+    """The proxy looks up several requests' prompts at once: a lookup that finds another still
+    waiting on the store must wait its own turn on a worker of its own, not fail (with one
+    worker it failed, and its request took the fallback route)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
+
+    entered, gate = threading.Semaphore(0), threading.Event()
+
+    class SlowStore:  # a store that answers once the test lets it
+        def exists(self, keys: list[str], strict: bool = False) -> list[bool]:
+            entered.release()
+            assert gate.wait(10)
+            return [True] * len(keys)
+
+        def close(self) -> None:
+            pass
+
+    config = MooncakeConfig(master_server_address="127.0.0.1:1", global_segment_size=0,
+                            local_buffer_size=1 << 20, local_hostname="127.0.0.1")
+    lookup = StoredPrefixLookup(config, connect=lambda _: SlowStore(),  # type: ignore[arg-type,return-value]
+                                workers=2, timeout=10)
+    space = KeySpace("fingerprint", None)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(lookup.stored_blocks, space, ["aa", "bb"])
+        assert entered.acquire(timeout=10)
+        second = pool.submit(lookup.stored_blocks, space, ["cc"])
+        both_waiting = entered.acquire(timeout=5)
+        gate.set()
+        assert (first.result(), second.result(), both_waiting) == (2, 1, True)
+    lookup.close()

@@ -10,6 +10,7 @@ computed, never failed or held up, when the store cannot answer.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,12 +55,15 @@ class StoredPrefixLookup:
                  connect: Callable[[MooncakeConfig], MooncakeKVStore] = MooncakeKVStore,
                  clock: Callable[[], float] = time.monotonic,
                  pause_after_failure: float = PAUSE_AFTER_FAILURE,
-                 timeout: float = LOOKUP_TIMEOUT) -> None:
+                 timeout: float = LOOKUP_TIMEOUT, workers: int = 1) -> None:
         self._timeout = timeout
-        # Existence checks run on this thread: a hung master holds it, never the caller
-        # (vLLM's scheduler, which would stop every request with it).
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-lookup")
-        self._pending: Future[list[bool]] | None = None
+        # Existence checks run on these threads: a hung master holds them, never the caller
+        # (vLLM's scheduler, which would stop every request with it). One per caller that
+        # may ask at once: vLLM's scheduler asks one at a time, the proxy several.
+        self._workers = workers
+        self._worker = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-lookup")
+        self._pending: set[Future[list[bool]]] = set()
+        self._lock = threading.Lock()  # connecting and the pending set
         self._config = replace(config, global_segment_size=0,
                                local_buffer_size=LOOKUP_BUFFER_BYTES)
         self._connect, self._clock = connect, clock
@@ -80,13 +84,16 @@ class StoredPrefixLookup:
             return 0
         per_block = block_value_keys(space.fingerprint, hashes, space.shards)
         keys = [key for keys in per_block for key in keys]
-        if self._pending is not None and not self._pending.done():
-            return None  # the last lookup still waits on the store: do not queue behind it
         try:
-            if self._client is None:  # connecting checks the master answers (kvhelper.store)
-                self._client = self._connect(self._config)
-            self._pending = self._worker.submit(self._client.exists, keys, strict=True)
-            found = self._pending.result(timeout=self._timeout)
+            with self._lock:
+                self._pending = {f for f in self._pending if not f.done()}
+                if len(self._pending) >= self._workers:
+                    return None  # every worker still waits on the store: do not queue
+                if self._client is None:  # connecting checks the master answers
+                    self._client = self._connect(self._config)
+                pending = self._worker.submit(self._client.exists, keys, strict=True)
+                self._pending.add(pending)
+            found = pending.result(timeout=self._timeout)
         except Exception as err:  # the store is out of reach or hung: compute, ask later
             self._paused_until = self._clock() + self._pause
             why = (f"no answer within {self._timeout:g} s" if isinstance(err, FutureTimeout)

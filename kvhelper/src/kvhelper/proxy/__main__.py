@@ -132,14 +132,14 @@ def build(args: argparse.Namespace) -> Proxy:
     if args.store_routing:
         # Imported here: the tokenizer and vLLM's hashing load only when routing is on.
         from kvhelper.proxy.prompt_blocks import TokenizerSource
-        from kvhelper.proxy.store_routing import StoreRouter
+        from kvhelper.proxy.store_routing import LOOKUP_THREADS, StoreRouter
         from kvhelper.store import MooncakeConfig
         from kvhelper.stored_prefix import StoredPrefixLookup
 
         config = MooncakeConfig.load({"mooncake_config_path": args.mooncake_config})
         proxy.router = StoreRouter(
             TokenizerSource(args.tokenizer, args.tokenizer_revision, args.trust_remote_code),
-            lambda: StoredPrefixLookup(config), args.store_lookup_timeout,
+            lambda: StoredPrefixLookup(config, workers=LOOKUP_THREADS), args.store_lookup_timeout,
             proxy.metrics.lookup_seconds.observe)
     return proxy
 
