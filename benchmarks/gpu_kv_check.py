@@ -349,11 +349,11 @@ def judged(device: torch.device, met: bool) -> bool | None:
 
 def part_speed(report: Report, device: torch.device, quick: bool, rotate: int = 4) -> None:
     timer = Timer(device)
-    repeats = 5 if quick else 30
-    ceiling = copy_ceiling(device, timer, (64 << 20) if quick else (2 << 30), repeats)
+    repeats = 3 if quick else 30
+    ceiling = copy_ceiling(device, timer, (32 << 20) if quick else (2 << 30), repeats)
     report.results["copy_ceiling_gbps"] = ceiling
     report.row("2", "copy ceiling (one large copy)", f"{ceiling:.0f} GB/s", None)
-    for tokens in ((512, 2048) if quick else (4096, 32768)):
+    for tokens in ((256, 1024) if quick else (4096, 32768)):
         for shape in SPEED:
             figures = speed_case(shape, tokens, device, timer, repeats, rotate)
             report.results.setdefault("speed", {})[f"{shape.name} {tokens}"] = figures
