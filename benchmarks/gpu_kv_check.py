@@ -262,7 +262,8 @@ def check_shards(shape: Shape, store_tp: int, blocks: int, request_blocks: int,
                  device: torch.device) -> list[str]:
     """Each head shard's pieces, read by address from a staged host buffer, equal those heads
     of the source pages."""
-    raw, layers = make_cache(shape, blocks, device)
+    _, layers = make_cache(shape, blocks, device)
+    pages = [t.view(torch.uint8) for t in layers.values()]
     layout = describe_kv_caches(layers, shape.spec(), num_blocks=blocks)
     mover = PageMover(layout, layers)
     sharding = store_sharding(shape.total_heads, shape.tp_size, 0, store_tp)
@@ -278,13 +279,12 @@ def check_shards(shape: Shape, store_tp: int, blocks: int, request_blocks: int,
         for b, pieces in enumerate(spans):
             for layer, address in enumerate(pieces):
                 got = ctypes.string_at(address, piece)
-                page = list(layers.values())[layer].view(torch.uint8)[source[b]]
+                page = pages[layer][source[b]]
                 want = page[first:first + count].contiguous().cpu().numpy().tobytes()
                 if got != want:
                     problems.append(f"heads {first}..{first + count - 1}, block {b}, layer "
                                     f"{layer}: the piece differs")
                     return problems
-    del raw
     return problems
 
 
