@@ -6,6 +6,8 @@ measured in this run, on the same replay:
 - `kvhelper`: the kvhelper connector with store lookups and the proxy's store-aware routing
   (with `--prefills 1 2`, one and two prefill instances);
 - `kvhelper-save`: the same with decode saving (kvTransfer.saveDecodeCache), one prefill;
+- `kvhelper-local`: the same with proxy.localPrefillTokens (`--local-prefill-tokens`): a
+  prompt whose unstored rest is that short goes straight to decode, which computes it;
 - `reuse-off`: the same stack as before this feature: no store lookups, no store routing;
 - `vllm-builtin`: vLLM's built-in MooncakeStoreConnector (kvTransfer.implementation: vllm)
   through the same proxy;
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -238,7 +241,7 @@ def route_counts(text: str) -> dict[str, float]:
 
 
 def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: Path,
-              max_tokens: int) -> Row:
+              max_tokens: int, local_prefill_tokens: int = 0) -> Row:
     import yaml
     from disagg_devtools.local.cli import with_tiny_model
     from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
@@ -256,6 +259,8 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         transfer["implementation"] = "vllm"
     elif stack == "kvhelper-save":
         transfer["saveDecodeCache"] = True
+    elif stack == "kvhelper-local":
+        spec_doc.setdefault("proxy", {})["localPrefillTokens"] = local_prefill_tokens
     folder = RunFolder(folder_root / f"{stack}-{prefills}p")
     spec = with_tiny_model(parse_spec(spec_doc), folder, sys.executable)
     served = spec.model.served_model_name or spec.model.name
@@ -345,6 +350,23 @@ def phase_column(phases: dict[str, float]) -> str:
         + " ms"
 
 
+def medians(rows: list[Row], rounds: int) -> str:
+    """Each stack's median over the rounds: computed share, TTFT p50 and p90, e2e p50."""
+    by_stack: dict[str, list[Row]] = {}
+    for row in rows:
+        by_stack.setdefault(row.stack, []).append(row)
+    lines = [f"median of {rounds} rounds (TTFT p50 of each round in brackets)",
+             f"{'stack':<22}{'computed':>9}{'TTFT p50':>10}{'p90':>8}{'e2e p50':>9}  rounds"]
+    for stack, group in by_stack.items():
+        p50s = [statistics.median(r.outcome.ttft or [0]) * 1000 for r in group]
+        p90 = statistics.median(percentile(r.outcome.ttft, 0.9) for r in group) * 1000
+        e2e = statistics.median(statistics.median(r.outcome.e2e or [0]) for r in group) * 1000
+        lines.append(f"{stack:<22}{statistics.median(r.computed_share for r in group):>9.3f}"
+                     f"{statistics.median(p50s):>8.0f}ms{p90:>6.0f}ms{e2e:>7.0f}ms"
+                     f"  [{' '.join(f'{p:.0f}' for p in p50s)}]")
+    return "\n".join(lines)
+
+
 def report(kind: str, work: Replay, rows: list[Row]) -> str:
     ideal = work.ideal_computed() / work.prompt_tokens
     lines = [f"tiny {kind.upper()} model: {len(work.prompts)} requests, "
@@ -380,26 +402,44 @@ def main() -> None:
     parser.add_argument("--stacks", nargs="+",
                         default=["kvhelper", "kvhelper-save", "reuse-off", "vllm-builtin",
                                  "monolithic"])
+    parser.add_argument("--local-prefill-tokens", type=int, default=128,
+                        help="proxy.localPrefillTokens of the kvhelper-local stack")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="replay every stack this many times, interleaved (the machine is "
+                        "noisy), and end with each stack's median over the rounds")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep each run's folder (logs of every process) under this folder")
     args = parser.parse_args()
     if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
         os.environ["DISAGG_BENCH_NETNS"] = "1"
         os.execvp("unshare", ["unshare", "-n", "sh", "-c",
                               'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
     requests = sample(args.trace, args.modulo, args.max_blocks, args.limit)
-    with tempfile.TemporaryDirectory(prefix="bench-replay-") as scratch:
-        root = Path(scratch)
+    with contextlib.ExitStack() as cleanup:
+        if args.keep is None:
+            root = Path(cleanup.enter_context(
+                tempfile.TemporaryDirectory(prefix="bench-replay-")))
+        else:
+            root = args.keep.resolve()
+            root.mkdir(parents=True, exist_ok=True)
         from disagg_devtools.tiny_models import VOCAB
 
         work = map_to_tokens(requests, args.block_tokens, VOCAB, args.speedup)
         rows = []
-        for stack in args.stacks:
-            if stack == "monolithic":
-                rows.append(run_monolithic(args.kind, work, root, args.max_tokens))
-                continue
-            for prefills in (args.prefills[:1] if stack == "kvhelper-save" else args.prefills):
-                rows.append(run_stack(args.kind, stack, prefills, work, root, args.max_tokens))
-            print(report(args.kind, work, rows), flush=True)
+        for round_ in range(args.rounds):
+            folder = root / f"round{round_ + 1}" if args.rounds > 1 else root
+            for stack in args.stacks:
+                if stack == "monolithic":
+                    rows.append(run_monolithic(args.kind, work, folder, args.max_tokens))
+                    continue
+                for prefills in (args.prefills[:1] if stack == "kvhelper-save"
+                                 else args.prefills):
+                    rows.append(run_stack(args.kind, stack, prefills, work, folder,
+                                          args.max_tokens, args.local_prefill_tokens))
+                print(report(args.kind, work, rows), flush=True)
     print(report(args.kind, work, rows))
+    if args.rounds > 1:
+        print(medians(rows, args.rounds))
 
 
 if __name__ == "__main__":

@@ -5,19 +5,36 @@ vLLM passed to `get_num_new_matched_tokens`, and, for asynchronous loads (whose 
 hashes only once loaded), every block that already carries a hash. One JSON line per load,
 appended to $KVHELPER_LOAD_RECORD.
 
+With $KVHELPER_PROBE_SAVE_DELAY (seconds), the worker's asynchronous stores wait that long
+before they read the pages, and each store records whether the pages it reads still hold the
+bytes the step computed (`"changed"`), which preempted requests still had a store running
+(`"preempted_while_saving"`), and any forward that runs while such a store still reads blocks
+vLLM has freed (`"forward_while_saving"`). $KVHELPER_PROBE_NO_PREEMPT_WAIT=1 removes the
+connector's wait for those stores before the step's forward (a negative control).
+
 Engines load it with `kv_connector_module_path: checked_connector` and this folder on
 PYTHONPATH (run_engine does both)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 from typing import Any
 
 from kvhelper.connector import MooncakeStoreConnector as _Connector
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+SAVE_DELAY = float(os.environ.get("KVHELPER_PROBE_SAVE_DELAY") or 0)
 
 
 class MooncakeStoreConnector(_Connector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._computed: dict[str, str] = {}  # request -> digest of its pages after the step
+        self._freed: set[str] = set()  # preempted requests whose store was still running
+
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         external, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -43,6 +60,51 @@ class MooncakeStoreConnector(_Connector):
                   "load_async": load_async,
                   "loaded_block_ids": list(loads[-1].block_ids)}
         _record(record)
+
+    # -- worker side: asynchronous stores --------------------------------------------------
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        """Runs before each step's forward: records preempted requests whose store was still
+        running, and a forward about to run while one still is (blocks vLLM has freed)."""
+        if SAVE_DELAY:
+            preempted = [req for req in connector_metadata.preempted if self._storing(req)]
+            if preempted:
+                _record({"preempted_while_saving": preempted})
+                self._freed.update(preempted)
+        if os.environ.get("KVHELPER_PROBE_NO_PREEMPT_WAIT") == "1":
+            KVConnectorBase_V1.bind_connector_metadata(self, connector_metadata)
+        else:
+            super().bind_connector_metadata(connector_metadata)
+        if SAVE_DELAY:
+            self._freed = {req for req in self._freed if self._storing(req)}
+            if self._freed:
+                _record({"forward_while_saving": sorted(self._freed)})
+
+    def _storing(self, req_id: str) -> bool:
+        return not all(future.done() for future in self.worker._saving.get(req_id, ()))
+
+    def wait_for_save(self) -> None:
+        if not SAVE_DELAY:
+            return super().wait_for_save()
+        worker = self.worker
+        if "_store_pages" not in vars(worker):
+            worker._store_pages = self._delayed(worker._store_pages)
+        self._computed.update({save.req_id: self._digest(save.block_ids)
+                               for save in self._get_connector_metadata().saves})
+        return super().wait_for_save()
+
+    def _digest(self, block_ids: list[int]) -> str:
+        return hashlib.sha256(self.worker._mover.gather(block_ids).numpy().tobytes()).hexdigest()
+
+    def _delayed(self, store: Any) -> Any:
+        def run(save: Any, ready: Any) -> Any:
+            computed = self._computed[save.req_id]
+            time.sleep(SAVE_DELAY)
+            _record({"stored": save.req_id,
+                     "changed": self._digest(save.block_ids) != computed})
+            return store(save, ready)
+
+        return run
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids

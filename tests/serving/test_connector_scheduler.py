@@ -12,10 +12,12 @@ import pytest
 from kvhelper.connector.data import IDENTITY_KEY, KEY_SPACE_KEY, PARAMS_KEY, PREFIX_HASH_KEY
 from kvhelper.connector.lookup import StoreHandshake
 from kvhelper.connector.scheduler import SchedulerSide
+from kvhelper.connector.settings import ConnectorSettings, SettingsError
 from kvhelper.connector_metrics import TransferStats
 from kvhelper.keys import block_key
 from kvhelper.store import MooncakeConfig, StoreError
 from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
+from kvhelper.transfer_params import STORING_KEY
 
 BLOCK = 16
 IDENTITY = {"model": "m", "mla": True, "block_size": BLOCK}
@@ -33,12 +35,13 @@ def blocks(ids: list[int]) -> Any:
 
 
 def step(scheduled: dict[str, int], cached: dict[str, list[int]] | None = None,
-         resumed: set[str] | None = None) -> Any:
-    """A stand-in for SchedulerOutput: tokens scheduled per request, new blocks of running ones."""
+         resumed: set[str] | None = None, preempted: set[str] | None = None) -> Any:
+    """A stand-in for SchedulerOutput: tokens scheduled per request, new blocks of running ones,
+    requests preempted in this step."""
     cached = cached or {}
     return SimpleNamespace(num_scheduled_tokens=scheduled, scheduled_cached_reqs=SimpleNamespace(
         req_ids=list(cached), new_block_ids=[(ids,) for ids in cached.values()],
-        resumed_req_ids=resumed or set()))
+        resumed_req_ids=resumed or set()), preempted_req_ids=preempted or set())
 
 
 def side(producer: bool = False, consumer: bool = False) -> SchedulerSide:
@@ -224,3 +227,52 @@ def test_prefill_tells_the_proxy_how_its_store_keys_are_made() -> None:
     assert params is not None
     assert KeySpace.from_json(params[KEY_SPACE_KEY]) == KeySpace("fp", None)
     assert KeySpace.from_json({"fingerprint": "fp", "shards": True}) is None
+
+
+def test_asynchronous_stores_hold_the_blocks_and_tell_decode_to_wait_for_the_pages() -> None:
+    producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=True,
+                             stats=TransferStats(), save_async=True)
+    req = request("r", 3 * BLOCK + 1, {"do_remote_decode": True})
+    producer.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
+    (save,) = producer.build_connector_meta(step({"r": 3 * BLOCK + 1})).saves
+    assert not save.release  # the request runs on; the worker learns of its end from vLLM
+    assert producer.build_connector_meta(step({}, preempted={"r"})).preempted == ["r"]
+    hold, params = producer.request_finished(req, [1, 2, 3, 4])
+    assert hold and params is not None and params[STORING_KEY] is True
+    # Never stored (finished before its prompt completed): nothing to hold.
+    early = request("e", 3 * BLOCK + 1, {"do_remote_decode": True})
+    producer.update_state_after_alloc(early, blocks([5, 6, 7, 8]), 0)
+    assert producer.request_finished(early, [5, 6, 7, 8]) == (False, None)
+
+    consumer = SchedulerSide(BLOCK, False, True, IDENTITY, load_async=True,
+                             stats=TransferStats(), store_wait_seconds=2.5)
+    for storing, wait in ((True, 2.5), (False, 0.0)):
+        waiting = request(f"d{storing}", 3 * BLOCK + 1,
+                          {**decode_params(3 * BLOCK), STORING_KEY: storing})
+        external, _ = consumer.get_num_new_matched_tokens(waiting, 0)
+        consumer.update_state_after_alloc(waiting, blocks([1, 2, 3, 4]), external)
+        (load,) = consumer.build_connector_meta(step({})).loads
+        assert load.wait_seconds == wait  # the proxy's skip-prefill loads never wait
+
+
+def test_synchronous_stores_hold_nothing() -> None:
+    producer = side(producer=True)
+    req = request("r", 3 * BLOCK + 1, {"do_remote_decode": True})
+    producer.update_state_after_alloc(req, blocks([1, 2, 3, 4]), 0)
+    meta = producer.build_connector_meta(step({"r": 3 * BLOCK + 1}, preempted={"r"}))
+    assert meta.preempted == []
+    hold, params = producer.request_finished(req, [1, 2, 3, 4])
+    assert not hold and params is not None and STORING_KEY not in params
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"save_async": "yes"}, "save_async must be true or false"),
+    ({"store_wait_seconds": -1}, "store_wait_seconds must be a number of seconds"),
+    ({"store_wait_seconds": True}, "store_wait_seconds must be a number of seconds"),
+])
+def test_settings_errors_name_the_setting(extra: dict[str, Any], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        ConnectorSettings.parse(extra)
+    defaults = ConnectorSettings.parse({})
+    assert defaults.save_async and defaults.store_wait_seconds == 5.0
+    assert ConnectorSettings.parse({"store_wait_seconds": 0}).store_wait_seconds == 0.0

@@ -12,6 +12,7 @@ batch-invariant for the tiny random model, so only unbatched outputs compare tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import sys
@@ -63,7 +64,9 @@ async def roll_under_load(deployment: LocalDeployment, url: str, name: str,
                           spec: DisaggServingSpec,
                           strategy: Literal["RollingUpdate", "Recreate"]
                           ) -> tuple[list[Completion], float, float]:
-    """Requests one at a time from before the rollout until AFTER succeeded after it."""
+    """Requests one at a time from before the rollout until AFTER succeeded after it. A
+    Recreate rollout (the control) is abandoned at its first failed request: that failure is
+    all the control shows, and the deployment is torn down next."""
     results: list[Completion] = []
     done = asyncio.Event()
     counter = itertools.count()
@@ -80,11 +83,20 @@ async def roll_under_load(deployment: LocalDeployment, url: str, name: str,
         task = asyncio.create_task(client())
         await wait_for(lambda: len(results) >= 3, 120, "requests before the rollout")
         began = time.monotonic()
-        await deployment.rollout(spec, timeout=900, strategy=strategy)
+        rollout = asyncio.create_task(deployment.rollout(spec, timeout=900, strategy=strategy))
+        if strategy == "Recreate":
+            await wait_for(lambda: rollout.done() or any(r.status != 200 for r in results),
+                           900, "a failed request or the rollout's end")
+            rollout.cancel()  # nothing, when it ended
+            with contextlib.suppress(asyncio.CancelledError):
+                await rollout
+        else:
+            await rollout
         ended = time.monotonic()
-        await wait_for(lambda: sum(r.started > ended and r.status == 200
-                                   for r in results) >= AFTER or task.done(),
-                       300, "requests after the rollout")
+        if strategy == "RollingUpdate":
+            await wait_for(lambda: sum(r.started > ended and r.status == 200
+                                       for r in results) >= AFTER or task.done(),
+                           300, "requests after the rollout")
         done.set()
         await task
     return results, began, ended

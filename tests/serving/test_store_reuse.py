@@ -128,7 +128,7 @@ def test_a_second_turn_finds_its_whole_history_when_decode_saves(
         "kv_transfer_params": a_params})
     answer = turn["token_ids"][0]
     # 612 + 40 tokens, the last without KV: 20 full blocks, 19 of them the prompt's.
-    assert re.search(r"stored 1 KV blocks, 19 already in the store \(after decode\)",
+    assert re.search(r"stored 1 KV blocks, 19 already in the store, in [0-9.]+ ms \(after decode\)",
                      decode_log), decode_log[-3000:]
     rng = random.Random(5)
     second = x + answer + [rng.randrange(3, 500) for _ in range(60)]

@@ -221,3 +221,32 @@ async def test_prefill_goes_to_the_instance_with_the_fewest_tokens_to_compute(
                                                for r in p.requests)]
     (other,) = [p for p in prefills if p is not took_long]
     assert [r["prompt"] for r in other.requests].count(short["prompt"]) == 3
+
+
+async def test_a_short_unstored_rest_is_computed_by_decode_within_local_prefill_tokens(
+        tokenizer_source, backends, start_proxy):
+    lookup = FakeLookup()
+    prefill, decode, proxy, _ = await routed(tokenizer_source, backends, start_proxy, lookup,
+                                             local_prefill_tokens=2 * BLOCK)
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 3}
+    assert (await post(f"{proxy}/v1/completions", body))[0] == 200  # learns the key space
+    tokens, hashes = prompt_hashes(tokenizer_source, body)
+    cases = [  # (blocks stored, goes to prefill)
+        (len(hashes) - 1, False),  # the rest: one block and the partial last one
+        (0, len(tokens) > 2 * BLOCK),
+        (len(tokens) // BLOCK - 2, len(tokens) % BLOCK > 0),  # 2 blocks and more: too long
+    ]
+    for stored, to_prefill in cases:
+        lookup.held = set(hashes[:stored])
+        prefills = len(prefill.requests)
+        assert (await post(f"{proxy}/v1/completions", body))[0] == 200
+        assert len(prefill.requests) == prefills + to_prefill, (stored, len(tokens))
+        if to_prefill:
+            continue
+        params = decode.requests[-1].get("kv_transfer_params")
+        if stored:
+            assert params[TOKENS_KEY] == stored * BLOCK
+            assert params[PREFIX_HASH_KEY] == hashes[stored - 1]
+        else:  # nothing stored: decode computes the prompt, with nothing to load
+            assert params is None
+    assert 'disagg_proxy_skip_prefill_computed_tokens_total' in await metrics(proxy)

@@ -58,6 +58,20 @@ def test_store_routing_is_on_by_default_where_decode_can_recompute() -> None:
     assert "--store-routing" not in proxy_args(kvTransfer={"connector": "NixlConnector"})
 
 
+def test_local_prefill_tokens_reach_the_proxy_only_with_store_routing() -> None:
+    import pytest
+    from disagg_operator.spec import InvalidSpecError
+
+    args = proxy_args(proxy={"localPrefillTokens": 256})
+    assert args[args.index("--local-prefill-tokens") + 1] == "256"
+    assert "--local-prefill-tokens" not in proxy_args()  # 0: the proxy's own default
+    with pytest.raises(InvalidSpecError, match=r"spec.proxy.localPrefillTokens: .*storeRouting"):
+        parse_spec({"model": MODEL, "proxy": {"localPrefillTokens": 64,
+                                              "storeRouting": False}})
+    with pytest.raises(InvalidSpecError, match="spec.proxy.localPrefillTokens"):
+        parse_spec({"model": MODEL, "proxy": {"localPrefillTokens": -1}})
+
+
 def test_vllms_built_in_store_connector_is_one_field_away() -> None:
     import pytest
     from disagg_operator.plan import compatibility_fingerprint

@@ -42,6 +42,7 @@ DURATIONS = {
     "load_seconds": "Time to load one request's KV (store read and scatter into the cache)",
     "store_seconds": "Time to store one request's KV (gather, existence check and write)",
     "lookup_seconds": "Time to look up one new prompt's leading blocks in the store",
+    "store_wait_seconds": "Time a load waited for pages that prefill was still storing",
 }
 BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
 

@@ -10,6 +10,8 @@ from typing import Any
 TOKENS_KEY = "kvhelper_tokens"  # how many prompt tokens decode can load (whole blocks)
 IDENTITY_KEY = "kvhelper_identity"  # kvhelper.compat.identity() of the prefill instance
 PREFIX_HASH_KEY = "kvhelper_prefix_hash"  # hex block hash of the last block decode can load
+# Prefill answered before its store ended (asynchronous saves): decode waits for the pages.
+STORING_KEY = "kvhelper_storing"
 # How prefill's store keys are made (kvhelper.stored_prefix.KeySpace), for the proxy's lookups;
 # decode ignores it.
 KEY_SPACE_KEY = "kvhelper_key_space"
@@ -22,11 +24,14 @@ REMOTE_DECODE: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": 
                                  **_NO_PEER}
 
 
-def load_from_store(tokens: int, prefix_hash: str | None, identity: dict[str, Any] | None
-                    ) -> dict[str, Any]:
-    """What tells decode to load a prompt's first `tokens` tokens from the store."""
+def load_from_store(tokens: int, prefix_hash: str | None, identity: dict[str, Any] | None,
+                    storing: bool = False) -> dict[str, Any]:
+    """What tells decode to load a prompt's first `tokens` tokens from the store (`storing`:
+    some may not be there yet, since prefill stores them in the background)."""
     params: dict[str, Any] = {"do_remote_prefill": True, "do_remote_decode": False, **_NO_PEER,
                               TOKENS_KEY: tokens, PREFIX_HASH_KEY: prefix_hash}
     if identity is not None:
         params[IDENTITY_KEY] = identity
+    if storing:
+        params[STORING_KEY] = True
     return params

@@ -526,7 +526,9 @@ def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
         routing_args = ("--store-routing", "--tokenizer", model.name,
                         *(("--tokenizer-revision", model.revision) if model.revision else ()),
                         *(("--trust-remote-code",) if model.trust_remote_code else ()),
-                        "--mooncake-config", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}")
+                        "--mooncake-config", f"{CONFIG_DIR}/{MOONCAKE_CONFIG_FILE}",
+                        *(("--local-prefill-tokens", str(spec.proxy.local_prefill_tokens))
+                          if spec.proxy.local_prefill_tokens else ()))
         env += [("POD_IP", PodIP()), ("PYTHONHASHSEED", "0"), ("HF_HOME", PROXY_CACHE_DIR),
                 *store_env]
         if spec.hf_token_secret is not None:

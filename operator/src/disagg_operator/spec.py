@@ -299,6 +299,11 @@ class ProxySpec(_Model):
         "full goes straight to decode (no prefill), others to the prefill instance with the "
         "least work. The proxy loads the model's tokenizer for it. Default: on with the "
         "MooncakeStore connector and kvTransfer.loadFailurePolicy Recompute.")
+    local_prefill_tokens: int = Field(
+        default=0, ge=0, description="With storeRouting: a prompt with at most this many "
+        "tokens beyond the prefix the store holds also skips prefill; decode loads the "
+        "prefix and computes the rest itself (sooner than a prefill instance would take the "
+        "request, but on decode's time). 0: only prompts stored in full.")
     service: ServiceSpec = _obj("The client-facing Service.")
     resources: dict[str, Any] | None = _passthrough("Proxy container resources.", _K8S_OBJECT)
 
@@ -618,6 +623,11 @@ def parse_spec(raw: dict[str, Any] | None) -> DisaggServingSpec:
             f"{spec.kv_transfer.connector.value}: set store.replicas to 0, or use the "
             "MooncakeStore connector"))
     check_etcd_tls(spec)
+    if spec.proxy.local_prefill_tokens and not store_routing(spec):
+        raise InvalidSpecError("proxy.localPrefillTokens", (
+            "only applies when the proxy routes on what the store holds, and here it does "
+            "not: set proxy.storeRouting to true (kvhelper's MooncakeStore connector, "
+            "loadFailurePolicy Recompute), or localPrefillTokens to 0"))
     if spec.proxy.store_routing and spec.kv_transfer.load_failure_policy == "Fail":
         raise InvalidSpecError("proxy.storeRouting", (
             "skipping prefill relies on decode recomputing a prompt whose pages were evicted "

@@ -3,8 +3,11 @@ store, keyed by vLLM's chained block hashes (so equal prefixes share pages) and 
 layout fingerprint (so incompatible instances never read each other's pages).
 
 Producer (prefill): after the forward pass that completes a prompt, its full blocks are stored,
-one value per block (existing keys are skipped); `request_finished` tells the client, through
-`kv_transfer_params`, how many tokens decode can load. Consumer (decode): for a request carrying
+one value per block (existing keys are skipped), on a saver thread while the engine goes on
+(vLLM holds the blocks until the store ends; `save_async: false` stores inside the step);
+`request_finished` tells the client, through `kv_transfer_params`, how many tokens decode can
+load, and that they may still be on their way (decode waits for them, up to
+`store_wait_seconds`). Consumer (decode): for a request carrying
 those parameters, the full blocks it does not already hold in its own prefix cache are loaded
 into the blocks vLLM allocated after the cached ones; a page that cannot be read is reported per
 block so vLLM recomputes or fails, as its `kv_load_failure_policy` says. Loads are asynchronous:
@@ -95,7 +98,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 int(vllm_config.cache_config.block_size), bool(transfer.is_kv_producer),
                 bool(transfer.is_kv_consumer), identity, self.settings.load_async, self.stats,
-                lookup, self.settings.save_decode_cache)
+                lookup, self.settings.save_decode_cache, self.settings.save_async,
+                self.settings.store_wait_seconds)
 
     @property
     def scheduler(self) -> SchedulerSide:
@@ -129,8 +133,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # A prompt was stored in the forward pass that finished it; the blocks are held only
-        # for decode saving (save_decode_cache), until the worker reports the store done.
+        # The blocks are held while a store of them may still run (asynchronous saves, decode
+        # saving) until every worker reports it done.
         return self.scheduler.request_finished(request, block_ids)
 
     # -- worker side ------------------------------------------------------------------------
@@ -146,12 +150,17 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self.worker.handshake()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before the step's forward (vLLM starts asynchronous loads only after it).
+        self.worker.before_forward(self._metadata())
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._metadata())
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker.get_finished()
+        return self.worker.get_finished(finished_req_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

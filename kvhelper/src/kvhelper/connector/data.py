@@ -30,6 +30,9 @@ class Transfer:
     # A finished request whose blocks vLLM holds until this store is done (decode saving):
     # the worker reports it back as sent, and vLLM frees them.
     release: bool = False
+    # A load of pages prefill may still be writing (its stores are asynchronous): seconds to
+    # wait for them to appear before the missing ones count as failed.
+    wait_seconds: float = 0.0
 
 
 @dataclass
@@ -39,12 +42,26 @@ class LoadOutcome:
     good: int
     errors: list[int]  # store error codes of the failed keys
     seconds: float
+    waited: float = 0.0  # of those, waiting for pages prefill was still storing
+
+
+@dataclass
+class SaveOutcome:
+    """What storing one request's pages gave (counted on the step's thread)."""
+    save: Transfer
+    stored: int  # values written
+    skipped: int  # values the store already held
+    failed: dict[str, int]  # keys not written, with store error codes
+    seconds: float
 
 
 @dataclass
 class MooncakeStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     saves: list[Transfer] = field(default_factory=list)
+    # Requests vLLM preempted in this step: it has freed their blocks and may write them in
+    # this step's forward, so their asynchronous stores must end before it.
+    preempted: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -62,4 +79,5 @@ class RequestRecord:
     # while it cannot allocate a request's blocks, and the store is asked once.
     stored_prefix: tuple[int, int] | None = None
     saved_tokens: int | None = None  # producer: prompt tokens decode can load
+    wait_seconds: float = 0.0  # consumer: how long to wait for pages prefill still writes
     prefix_hash: str | None = None  # producer: hex hash of the last of those blocks

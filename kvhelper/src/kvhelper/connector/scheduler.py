@@ -22,7 +22,7 @@ from kvhelper.connector.data import (
 from kvhelper.connector.lookup import StoreHandshake
 from kvhelper.connector_metrics import TransferStats
 from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
-from kvhelper.transfer_params import load_from_store
+from kvhelper.transfer_params import STORING_KEY, load_from_store
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -36,7 +36,8 @@ class SchedulerSide:
     def __init__(self, block_size: int, is_producer: bool, is_consumer: bool,
                  identity: dict[str, Any], load_async: bool, stats: TransferStats,
                  lookup: StoredPrefixLookup | None = None,
-                 save_decode_cache: bool = False) -> None:
+                 save_decode_cache: bool = False, save_async: bool = False,
+                 store_wait_seconds: float = 0.0) -> None:
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.identity = identity
@@ -48,6 +49,9 @@ class SchedulerSide:
         # proxy with every stored prompt so that it can ask the store too.
         self.key_space: KeySpace | None = None
         self.save_decode_cache = save_decode_cache and is_consumer
+        # Stores end after the step (the workers say when): vLLM holds the blocks till then.
+        self.save_async = save_async
+        self.store_wait_seconds = store_wait_seconds
         self._records: dict[str, RequestRecord] = {}
         self._loads: list[Transfer] = []
         self._finished_saves: list[Transfer] = []  # decode saving, for the next step
@@ -81,6 +85,7 @@ class SchedulerSide:
             return 0, False
         external = max(0, blocks * self.block_size - num_computed_tokens)
         record.local_hit_tokens = num_computed_tokens if external else None
+        record.wait_seconds = self.store_wait_seconds if params.get(STORING_KEY) else 0.0
         return external, self.load_async and external > 0
 
     def _stored_prefix(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -150,7 +155,8 @@ class SchedulerSide:
         count = num_external_tokens // self.block_size
         hashes = [bytes(h).hex() for h in request.block_hashes[first:first + count]]
         self._loads.append(Transfer(request.request_id, hashes,
-                                    record.block_ids[first:first + count]))
+                                    record.block_ids[first:first + count],
+                                    wait_seconds=record.wait_seconds))
         record.load_scheduled = True
 
     # -- prefill: what is stored ---------------------------------------------------------------
@@ -159,6 +165,8 @@ class SchedulerSide:
                              ) -> MooncakeStoreConnectorMetadata:
         meta = MooncakeStoreConnectorMetadata(loads=self._loads, saves=self._finished_saves)
         self._loads, self._finished_saves = [], []
+        if self.save_async:
+            meta.preempted = sorted(scheduler_output.preempted_req_ids or ())
         if not self.is_producer:
             return meta
         cached = scheduler_output.scheduled_cached_reqs
@@ -192,12 +200,16 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         """Whether vLLM must keep the request's blocks until a store of them is done (decode
-        saving), and the kv_transfer_params for decode, for a prompt this instance stored."""
+        saving, or a prompt's asynchronous store), and the kv_transfer_params for decode, for
+        a prompt this instance stored."""
         record = self._records.pop(request.request_id, None)
         hold = self._save_after_decode(request, block_ids)
         if not self.is_producer or record is None or record.saved_tokens is None:
             return hold, None
-        params = load_from_store(record.saved_tokens, record.prefix_hash, self.identity)
+        # The workers were given the prompt's store; asynchronous, it may not have ended.
+        hold = hold or self.save_async
+        params = load_from_store(record.saved_tokens, record.prefix_hash, self.identity,
+                                 storing=self.save_async)
         if self.key_space is not None:
             params[KEY_SPACE_KEY] = self.key_space.to_json()
         return hold, params

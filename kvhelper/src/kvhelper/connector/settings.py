@@ -34,6 +34,13 @@ class ConnectorSettings:
     # Decode (and kv_both) instances store the full blocks of prompt plus generated tokens
     # when a request finishes, so that a conversation's next turn finds its whole history.
     save_decode_cache: bool = False
+    # Stores run on a saver thread while the engine goes on with its next steps (vLLM keeps a
+    # finished request's blocks until they are written), so prefill answers before its pages
+    # are in the store; false stores them inside the step, before the request finishes.
+    save_async: bool = True
+    # How long decode waits for pages that prefill is still storing before it counts the
+    # missing ones as failed (and recomputes them, by kv_load_failure_policy).
+    store_wait_seconds: float = 5.0
     # The whole extra config, read-only (Mooncake's keys are kvhelper.store's to read).
     raw: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
@@ -57,14 +64,19 @@ class ConnectorSettings:
             raise SettingsError("kv_connector_extra_config.store_tp_size must be a positive "
                                 f"integer, not {shards!r}")
         flags = {name: extra.get(name, default) for name, default in
-                 (("store_lookup", True), ("save_decode_cache", False))}
+                 (("store_lookup", True), ("save_decode_cache", False), ("save_async", True))}
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise SettingsError(f"kv_connector_extra_config.{name} must be true or false, "
                                     f"not {value!r}")
+        wait = extra.get("store_wait_seconds", 5.0)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 600:
+            raise SettingsError("kv_connector_extra_config.store_wait_seconds must be a number "
+                                f"of seconds from 0 to 600, not {wait!r}")
         return cls(load_async=load_async, transfer=transfer, staging_buffer_bytes=staging,
                    store_tp_size=shards, store_lookup=flags["store_lookup"],
-                   save_decode_cache=flags["save_decode_cache"], raw=MappingProxyType(extra))
+                   save_decode_cache=flags["save_decode_cache"], save_async=flags["save_async"],
+                   store_wait_seconds=float(wait), raw=MappingProxyType(extra))
 
 
 def _positive_int(value: Any) -> bool:

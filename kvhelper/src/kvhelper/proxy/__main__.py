@@ -86,7 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the instances' mooncake.json, for --store-routing (default $MOONCAKE_CONFIG_PATH)")
     add("--store-lookup-timeout", type=float, default=_env("store-lookup-timeout", 0.25),
         help="longest wait for the store's answer; then the request is prefilled as usual")
+    add("--local-prefill-tokens", type=int, default=_env("local-prefill-tokens", 0),
+        help="with --store-routing, a prompt with at most this many tokens beyond its stored "
+        "prefix goes straight to decode, which loads the prefix and computes the rest "
+        "(0: only prompts the store holds in full)")
     args = parser.parse_args(argv)
+    if args.local_prefill_tokens < 0:
+        parser.error("--local-prefill-tokens must be 0 or more")
     if args.store_routing and not (args.tokenizer and args.mooncake_config):
         parser.error("--store-routing needs --tokenizer (the model's) and --mooncake-config "
                      "(or $MOONCAKE_CONFIG_PATH)")
@@ -140,7 +146,7 @@ def build(args: argparse.Namespace) -> Proxy:
         proxy.router = StoreRouter(
             TokenizerSource(args.tokenizer, args.tokenizer_revision, args.trust_remote_code),
             lambda: StoredPrefixLookup(config, workers=LOOKUP_THREADS), args.store_lookup_timeout,
-            proxy.metrics.lookup_seconds.observe)
+            proxy.metrics.lookup_seconds.observe, args.local_prefill_tokens)
     return proxy
 
 

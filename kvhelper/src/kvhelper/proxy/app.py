@@ -347,7 +347,8 @@ class Proxy:
             decode_body = dict(body)
             if route is not None and route.kind == "skip_prefill":
                 assert route.fingerprint is not None
-                decode_body["kv_transfer_params"] = route.params
+                if route.params is not None:
+                    decode_body["kv_transfer_params"] = route.params
                 return await self._decode(request, route.fingerprint, "in the store",
                                           decode_body, headers)
             prefilled = await self._prefill(

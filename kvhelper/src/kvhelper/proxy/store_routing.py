@@ -1,8 +1,11 @@
 """Routing on what the store holds: before a request is prefilled, the proxy tokenizes its
 prompt, hashes its blocks as vLLM does and asks the store how many leading blocks it holds.
 
-- Every block decode could load is stored: **skip_prefill**. The request goes straight to a
-  decode instance with the transfer parameters that make it load them.
+- Every block decode could load is stored, or what is not stored is at most
+  `local_prefill_tokens` (conditional disaggregation: decode computes a short rest itself
+  sooner than a prefill instance could take the request, load it and hand it over):
+  **skip_prefill**. The request goes straight to a decode instance with the transfer
+  parameters that make it load the stored blocks.
 - Otherwise: **prefill**, on the prefill instance with the least expected work; the prefill
   instance loads whatever prefix the store does hold (the connector's own lookup).
 - Anything that keeps the proxy from knowing exactly (the tokenizer or vLLM's hashing not
@@ -93,8 +96,10 @@ class StoreRouter:
     def __init__(self, tokenizer: TokenizerSource,
                  lookup: StoredPrefixLookup | Callable[[], StoredPrefixLookup],
                  lookup_timeout: float = 0.25,
-                 on_lookup: Callable[[float], None] = lambda seconds: None) -> None:
+                 on_lookup: Callable[[float], None] = lambda seconds: None,
+                 local_prefill_tokens: int = 0) -> None:
         self._source = tokenizer
+        self.local_prefill_tokens = local_prefill_tokens
         self._on_lookup = on_lookup
         self._lookup_factory = lookup if callable(lookup) else (lambda: lookup)
         self._lookup: StoredPrefixLookup | None = None
@@ -195,7 +200,8 @@ class StoreRouter:
 
     async def _route(self, prompt: Prompt, fingerprints: list[str]) -> Route:
         """skip_prefill when some decode fingerprint's store holds every block decode could
-        load; prefill otherwise; fallback when the store cannot tell."""
+        load, or all but `local_prefill_tokens` of the prompt; prefill otherwise; fallback
+        when the store cannot tell."""
         total = len(prompt.tokens)
         best = Route("prefill", prompt_tokens=total)
         for fingerprint in fingerprints:
@@ -214,10 +220,11 @@ class StoreRouter:
             if isinstance(found, str):
                 return Route("fallback", found, total)
             stored = found * learned.block_size
-            if found == usable:
+            if found == usable or total - stored <= self.local_prefill_tokens:
+                params = (load_from_store(stored, hashes[found - 1], learned.identity)
+                          if found else None)  # nothing stored: decode computes it all
                 return Route("skip_prefill", prompt_tokens=total, stored_tokens=stored,
-                             fingerprint=fingerprint,
-                             params=load_from_store(stored, hashes[-1], learned.identity))
+                             fingerprint=fingerprint, params=params)
             if stored > best.stored_tokens:
                 best = Route("prefill", prompt_tokens=total, stored_tokens=stored)
         return best
