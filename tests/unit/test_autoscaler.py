@@ -173,3 +173,47 @@ def test_bad_autoscaling_settings_name_the_field(autoscaling: dict[str, Any],
                                                  message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_spec({"model": {"name": "tiny"}, "autoscaling": autoscaling})
+
+
+async def test_decode_is_sized_for_the_kv_sampled_between_decisions(
+        autoscaler: Autoscaler, source: PagesSource, clock: Clock) -> None:
+    """A burst of KV between two scrapes is seen by the samples taken every few seconds (the
+    simulator's driver samples every 5 s), not only by the scrape that ends the interval."""
+    spec = planner_spec()
+    decode = EnginePage(num_gpu_blocks=50_000, block_size=16)  # 800,000 tokens
+    source.pages["d-0"] = decode
+    await autoscaler.scale("u", "d", spec, PODS, {})  # the first interval starts
+    source.scraped.clear()
+    for usage in [1.0] * 10 + [0.0] * 2:  # 80% of 800,000 tokens is 6.4 instances' KV
+        clock.now += 5
+        decode.kv_usage.set(usage)
+        await autoscaler.sample("u")
+    assert source.scraped == [["d-0"]] * 12  # samples ask decode only
+    source.traffic(10, 100)
+    decided = await autoscaler.scale("u", "d", spec, PODS, {})
+    assert decided is not None and decided.replicas is not None
+    assert decided.replicas.decode == 6 and decided.status["load"]["kvTokensDemand"] == 800_000
+    # The samples served that decision: the next interval starts from none.
+    clock.now += 60
+    source.traffic(10, 100)
+    later = await autoscaler.scale("u", "d", spec, PODS, {})
+    assert later is not None and later.status["load"]["kvTokensDemand"] == 0
+
+
+async def test_the_sampling_task_runs_between_reconciles_and_stops_with_the_object(
+        clock: Clock, source: PagesSource) -> None:
+    import asyncio
+
+    autoscaler = Autoscaler(source, clock, lambda: "2026-12-05T00:00:00Z", sample_seconds=0.01)
+    await autoscaler.scale("u", "d", planner_spec(), PODS, {})
+
+    async def sampled(count: int) -> None:
+        while source.scraped.count(["d-0"]) < count:
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(sampled(3), 10)
+    autoscaler.forget("u")
+    await asyncio.sleep(0)  # the cancelled task ends
+    taken = len(source.scraped)
+    await asyncio.sleep(0.05)
+    assert len(source.scraped) == taken

@@ -6,6 +6,10 @@ Why in-process rather than a rendered Deployment: the operator already lists the
 the workloads the decision lands on and writes the status that explains it; a separate
 planner would need its own RBAC to patch them and a second writer of the same counts.
 
+Between decisions a task samples decode's KV every `sample_seconds` (5 s, as the simulator's
+driver does), so that the decision sizes decode for the interval's busy moments, not for the
+one moment of its scrape.
+
 The decision lives in the operator's memory and in `status.autoscaling` (read back after a
 restart); the spec's replica counts stay the user's starting counts, so a GitOps tool that
 re-applies the manifest does not fight the planner.
@@ -13,13 +17,15 @@ re-applies the manifest does not fight the planner.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from disagg_operator.association import LABEL_COMPONENT, child_name
-from disagg_operator.load import Scrape, load_between, load_fields
+from disagg_operator.load import KvSample, Scrape, kv_sample, load_between, load_fields
 from disagg_operator.performance import DecodeModel, PrefillModel
 from disagg_operator.plan import VLLM_PORT
 from disagg_operator.planner import Bounds, Planner, Replicas, Targets
@@ -28,6 +34,7 @@ from disagg_operator.spec import AutoscalingSpec, DisaggServingSpec
 log = logging.getLogger(__name__)
 
 SCRAPED_ROLES = ("prefill", "decode", "proxy")
+SAMPLE_SECONDS = 5.0
 Manifest = dict[str, Any]
 
 
@@ -113,6 +120,8 @@ class _PlannerState:
     replicas: Replicas
     next_at: float
     reason: str
+    targets: list[ScrapeTarget] = field(default_factory=list)  # as of the last reconcile
+    kv_samples: list[KvSample] = field(default_factory=list)  # since the last decision
     last_scrape: Scrape | None = None
     decided_at: str | None = None
     load: dict[str, float] = field(default_factory=dict)
@@ -120,14 +129,36 @@ class _PlannerState:
 
 class Autoscaler:
     def __init__(self, source: MetricsSource, clock: Callable[[], float],
-                 wall_clock: Callable[[], str]) -> None:
+                 wall_clock: Callable[[], str], sample_seconds: float | None = None) -> None:
         self.source = source
         self.clock = clock  # monotonic seconds
         self.wall_clock = wall_clock  # RFC 3339, for the status
+        # None: no sampling task (a caller, e.g. a test, calls `sample` itself).
+        self.sample_seconds = sample_seconds
         self._states: dict[str, _PlannerState] = {}
+        self._samplers: dict[str, asyncio.Task[None]] = {}
 
     def forget(self, uid: str) -> None:
         self._states.pop(uid, None)
+        sampler = self._samplers.pop(uid, None)
+        if sampler is not None:
+            sampler.cancel()
+
+    async def sample(self, uid: str) -> None:
+        """Sample decode's KV for the next decision."""
+        state = self._states.get(uid)
+        if state is None or not state.targets:
+            return
+        decode = [t for t in state.targets if t.role == "decode"]
+        scrape = await self.source.scrape(decode)
+        if "decode" in scrape.roles():
+            state.kv_samples.append(kv_sample(scrape))
+
+    async def _sample_every(self, uid: str, seconds: float) -> None:
+        while uid in self._states:
+            await asyncio.sleep(seconds)
+            with contextlib.suppress(Exception):  # a pod gone mid-scrape: the next sample
+                await self.sample(uid)
 
     def due_in(self, uid: str) -> float | None:
         """Seconds until the next decision for this object, if the planner runs for it."""
@@ -155,6 +186,10 @@ class Autoscaler:
             state = _PlannerState(spec.autoscaling, planner, replicas, next_at=now,
                                   reason="measuring the first interval")
             self._states[uid] = state
+        state.targets = scrape_targets(spec, pods)
+        if self.sample_seconds is not None and uid not in self._samplers:
+            self._samplers[uid] = asyncio.create_task(
+                self._sample_every(uid, self.sample_seconds), name=f"kv-samples-{uid}")
         if now >= state.next_at:
             await self._decide(state, spec, pods, now)
         return Scaling(state.replicas, self._status(state))
@@ -162,7 +197,8 @@ class Autoscaler:
     async def _decide(self, state: _PlannerState, spec: DisaggServingSpec,
                       pods: Sequence[Manifest], now: float) -> None:
         state.next_at = now + spec.autoscaling.interval_seconds
-        scrape = await self.source.scrape(scrape_targets(spec, pods))
+        scrape = await self.source.scrape(state.targets)
+        samples, state.kv_samples = state.kv_samples, []  # of the interval this scrape ends
         missing = [r for r in ("prefill", "decode") if r not in scrape.roles()]
         if missing:
             state.reason = (f"no metrics from any {' or '.join(missing)} instance; keeping "
@@ -173,7 +209,7 @@ class Autoscaler:
             state.reason = (f"measuring the first interval ({spec.autoscaling.interval_seconds}"
                             " s) before deciding")
             return
-        load = load_between(earlier, scrape)
+        load = load_between(earlier, scrape, samples)
         decision = state.planner.decide(now, load, state.replicas)
         state.replicas = decision.replicas
         state.reason = decision.reason

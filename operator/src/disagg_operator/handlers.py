@@ -24,7 +24,7 @@ from prometheus_client import start_http_server
 
 from disagg_operator import metrics
 from disagg_operator.association import LABEL_MANAGED_BY, MANAGED_BY
-from disagg_operator.autoscaler import Autoscaler
+from disagg_operator.autoscaler import SAMPLE_SECONDS, Autoscaler
 from disagg_operator.etcd_health import EtcdHealthChecker
 from disagg_operator.kube import ApiFailure, LightkubeApi, LightkubeLeaseStore
 from disagg_operator.leader import ElectionSettings, LeaderElector
@@ -114,7 +114,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         operator_namespace=config.operator_namespace,
         autoscaler=Autoscaler(
             PodMetricsScraper(address_overrides=config.metrics_address_overrides),
-            time.monotonic, utcnow))
+            time.monotonic, utcnow, sample_seconds=SAMPLE_SECONDS))
     if config.leader_election is None:
         leading = asyncio.Event()
         leading.set()

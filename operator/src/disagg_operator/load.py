@@ -14,14 +14,16 @@ What each Load field comes from:
 - ITL p90: decode's `vllm:inter_token_latency_seconds`; TTFT p90: the proxy's
   `disagg_proxy_time_to_first_token_seconds` (what clients see, prefill included);
 - KV demand: decode's `vllm:kv_cache_usage_perc` times its KV capacity (`vllm:cache_config_info`)
-  per engine, plus its waiting requests at the mean request length; the prefill backlog: prefill's
-  `vllm:num_requests_waiting` at the mean uncached length.
+  per engine, plus its waiting requests at the mean request length: the 90th percentile over
+  the samples taken during the interval (`kv_samples`, as the simulator samples every 5 s) and
+  the later scrape; the prefill backlog: prefill's `vllm:num_requests_waiting` at the mean
+  uncached length.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from disagg_operator.planner import Load
@@ -152,8 +154,27 @@ def _gauge(scrape: Scrape, role: str, name: str) -> float:
     return sum(p.values.get(name, 0.0) for p in scrape.pods.values() if p.role == role)
 
 
-def load_between(before: Scrape, after: Scrape) -> Load:
-    """The load of the interval between two scrapes, as the planner reads it."""
+@dataclass(frozen=True)
+class KvSample:
+    """Decode's KV at one moment: tokens held, and requests waiting for room."""
+    held_tokens: float
+    waiting: float
+
+
+def kv_sample(scrape: Scrape) -> KvSample:
+    return KvSample(sum(p.kv_tokens_used for p in scrape.pods.values() if p.role == "decode"),
+                    _gauge(scrape, "decode", WAITING))
+
+
+def _p90(values: list[float]) -> float:
+    """Nearest rank, as the simulator's driver takes it of its samples."""
+    ordered = sorted(values)
+    return ordered[int(0.9 * (len(ordered) - 1))]
+
+
+def load_between(before: Scrape, after: Scrape, kv_samples: Sequence[KvSample] = ()) -> Load:
+    """The load of the interval between two scrapes, as the planner reads it; `kv_samples`:
+    decode's KV sampled in between."""
     seconds = max(after.at - before.at, 1e-9)
     computed = _delta_histogram(before, after, "prefill", PREFILL_COMPUTED)
     sent = _delta_counter(before, after, "prefill", PROMPT_TOKENS)
@@ -163,8 +184,9 @@ def load_between(before: Scrape, after: Scrape) -> Load:
     uncached_per_request = computed.total / prefilled if prefilled else 0.0
     prompt_mean = prompts.total / prompts.count if prompts.count else 0.0
     output_mean = outputs.total / outputs.count if outputs.count else 0.0
-    held = sum(p.kv_tokens_used for p in after.pods.values() if p.role == "decode")
-    waiting = _gauge(after, "decode", WAITING)
+    request_tokens = prompt_mean + output_mean
+    kv_demand = _p90([sample.held_tokens + sample.waiting * request_tokens
+                      for sample in [*kv_samples, kv_sample(after)]])
     return Load(
         requests_per_s=prompts.count / seconds,
         uncached_tokens_per_s=computed.total / seconds,
@@ -173,7 +195,7 @@ def load_between(before: Scrape, after: Scrape) -> Load:
         output_tokens_mean=output_mean,
         ttft_p90_s=_delta_histogram(before, after, "proxy", PROXY_TTFT).quantile(0.9),
         itl_p90_s=_delta_histogram(before, after, "decode", INTER_TOKEN).quantile(0.9),
-        kv_tokens_demand=held + waiting * (prompt_mean + output_mean),
+        kv_tokens_demand=kv_demand,
         uncached_tokens_p90=computed.quantile(0.9),
         uncached_tokens_cv2=computed.cv2() or 1.0,
         queued_uncached_tokens=_gauge(after, "prefill", WAITING) * uncached_per_request)
