@@ -6,6 +6,7 @@ measured in this run, on the same replay:
 - `kvhelper`: the kvhelper connector with store lookups and the proxy's store-aware routing
   (with `--prefills 1 2`, one and two prefill instances);
 - `kvhelper-save`: the same with decode saving (kvTransfer.saveDecodeCache), one prefill;
+- `kvhelper-sync`: the same with stores inside prefill's step (save_async: false);
 - `kvhelper-local`: the same with proxy.localPrefillTokens (`--local-prefill-tokens`): a
   prompt whose unstored rest is that short goes straight to decode, which computes it;
 - `reuse-off`: the same stack as before this feature: no store lookups, no store routing;
@@ -259,6 +260,8 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         transfer["implementation"] = "vllm"
     elif stack == "kvhelper-save":
         transfer["saveDecodeCache"] = True
+    elif stack == "kvhelper-sync":
+        transfer.setdefault("extraConfig", {})["save_async"] = False
     elif stack == "kvhelper-local":
         spec_doc.setdefault("proxy", {})["localPrefillTokens"] = local_prefill_tokens
     folder = RunFolder(folder_root / f"{stack}-{prefills}p")
