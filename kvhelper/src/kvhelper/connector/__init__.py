@@ -153,7 +153,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         # Before the step's forward (vLLM starts asynchronous loads only after it).
-        self.worker.before_forward(self._metadata())
+        if self._worker is not None:
+            self._worker.before_forward(self._metadata())
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._metadata())
