@@ -7,6 +7,7 @@ measured in this run, on the same replay:
   (with `--prefills 1 2`, one and two prefill instances);
 - `kvhelper-save`: the same with decode saving (kvTransfer.saveDecodeCache), one prefill;
 - `kvhelper-sync`: the same with stores inside prefill's step (save_async: false);
+- `kvhelper-step-loads`: the same with loads inside the step (load_async: false);
 - `kvhelper-local`: the same with proxy.localPrefillTokens (`--local-prefill-tokens`): a
   prompt whose unstored rest is that short goes straight to decode, which computes it;
 - `reuse-off`: the same stack as before this feature: no store lookups, no store routing;
@@ -262,6 +263,8 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         transfer["saveDecodeCache"] = True
     elif stack == "kvhelper-sync":
         transfer.setdefault("extraConfig", {})["save_async"] = False
+    elif stack == "kvhelper-step-loads":
+        transfer.setdefault("extraConfig", {})["load_async"] = False
     elif stack == "kvhelper-local":
         spec_doc.setdefault("proxy", {})["localPrefillTokens"] = local_prefill_tokens
     folder = RunFolder(folder_root / f"{stack}-{prefills}p")
