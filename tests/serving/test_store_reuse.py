@@ -3,13 +3,14 @@ looks in the store before it computes, loads the longest stored run of its promp
 blocks (whoever stored them), and computes only the rest. Engines run one after another, each
 in its own process, as separate instances would:
 
-    prefill A   stores prompt X
-    prefill B   another instance: prompt Y shares X's first 512 tokens; it loads them and
-                computes the rest; the same prompt with another cache_salt loads nothing
-    decode      loads Y's pages through B's transfer parameters
+    prefill A   stores prompt X; then the last page X stored is corrupted in the store
+    prefill B   another instance: prompt Y shares X's first 512 tokens (not the corrupted
+                page); it loads them and computes the rest; the same prompt with another
+                cache_salt loads nothing; prompt Z shares every page X stored
+    decode      loads Y's and Z's pages through B's transfer parameters
 
-Decode's greedy tokens must equal a single instance's. Negative control: with one page of the
-reused prefix corrupted in the store before B runs, they must differ.
+Decode's greedy tokens for Y must equal a single instance's. Negative control, in the same
+run: Z reuses the corrupted page, and its tokens must differ from a single instance's.
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ from .engines import (
 
 PROMPT_TOKENS = 612
 SHARED_PREFIX = 512
+WHOLE_BLOCKS = (PROMPT_TOKENS - 1) // 32 * 32  # X's full blocks for both block sizes
 BLOCK_SIZE = {"gqa": 32, "mla": 16}
 
 
-def prompts(shared: int) -> tuple[list[int], list[int]]:
-    """X, and Y sharing X's first `shared` tokens."""
+def prompts() -> tuple[list[int], list[int], list[int]]:
+    """X; Y sharing X's first SHARED_PREFIX tokens; Z sharing all of X's full blocks."""
     rng = random.Random(11)
     x = [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS)]
-    y = x[:shared] + [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS - shared)]
-    return x, y
+    y = x[:SHARED_PREFIX] + [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS - SHARED_PREFIX)]
+    z = x[:WHOLE_BLOCKS] + [rng.randrange(3, 500) for _ in range(PROMPT_TOKENS - WHOLE_BLOCKS)]
+    return x, y, z
 
 
 def request(kind: str, model: Path, prompt_list: list[Any]) -> dict[str, Any]:
@@ -50,31 +53,31 @@ def request(kind: str, model: Path, prompt_list: list[Any]) -> dict[str, Any]:
             "one_at_a_time": True, "max_model_len": 1024}
 
 
-def single_instance(kind: str, model: Path, shared: int, tmp: Path) -> list[int]:
+def single_instance(kind: str, model: Path, tmp: Path) -> tuple[list[int], list[int]]:
     """One ordinary instance with its own prefix cache, serving X, then Y (over X's cached
     prefix, as prefill B computes it over the loaded one), then Y again over its cached
-    blocks (as decode computes it): that last answer."""
-    x, y = prompts(shared)
-    result, _ = run_engine(tmp, "single", {**request(kind, model, [x, y, y]), "max_tokens": 8,
-                                           "prefix_caching": True})
-    return list(result["token_ids"][2])
+    blocks (as decode computes it), and Z the same way: the answers to Y and Z."""
+    x, y, z = prompts()
+    result, _ = run_engine(tmp, "single", {**request(kind, model, [x, y, y, z, z]),
+                                           "max_tokens": 8, "prefix_caching": True})
+    return list(result["token_ids"][2]), list(result["token_ids"][4])
 
 
-def run_pipeline(kind: str, model: Path, master: str, tmp: Path, shared: int,
-                 corrupt: bool = False) -> tuple[list[int], str, str]:
-    """Prefill A stores X; prefill B serves Y (and Y salted); decode loads Y. Decode's tokens
-    for Y, and the logs of B and decode."""
-    x, y = prompts(shared)
+def run_pipeline(kind: str, model: Path, master: str,
+                 tmp: Path) -> tuple[list[list[int]], str, str]:
+    """Prefill A stores X, whose last page is then corrupted; prefill B serves Y, Y salted
+    and Z; decode loads Y and Z. Decode's tokens for Y and Z, and the logs of B and decode."""
+    x, y, z = prompts()
     a_params, a_log = prefill(tmp / "a", request(kind, model, [x]), master)
-    if corrupt:  # flip the sign bits of the last page X stored for decode, shared with Y
-        corrupt_page(master, fingerprint_in(a_log), a_params[0]["kvhelper_prefix_hash"], kind)
+    # Flip the sign bits of the last page X stored for decode: Z shares it, Y does not.
+    corrupt_page(master, fingerprint_in(a_log), a_params[0]["kvhelper_prefix_hash"], kind)
     salted = {"prompt_token_ids": y, "cache_salt": "another-tenant"}
-    b_params, b_log = prefill(tmp / "b", request(kind, model, [y, salted]), master)
+    b_params, b_log = prefill(tmp / "b", request(kind, model, [y, salted, z]), master)
     result, decode_log = run_engine(tmp / "decode", "decode", {
-        **request(kind, model, [y]), "max_tokens": 8,
+        **request(kind, model, [y, z]), "max_tokens": 8,
         "kv_transfer_config": connector_config("kv_consumer", master),
-        "kv_transfer_params": b_params[:1]})
-    return result["token_ids"][0], b_log, decode_log
+        "kv_transfer_params": [b_params[0], b_params[2]]})
+    return [list(tokens) for tokens in result["token_ids"]], b_log, decode_log
 
 
 def corrupt_page(master: str, fingerprint: str, block_hash: str, kind: str) -> None:
@@ -89,26 +92,15 @@ def test_a_prefill_instance_reuses_a_prefix_another_instance_stored(
     model = shutil.copytree(tiny_models[kind], tmp_path / f"{kind}-reuse")  # pages of its own
     for folder in ("a", "b", "decode", "single"):
         (tmp_path / folder).mkdir()
-    tokens, b_log, decode_log = run_pipeline(kind, model, mooncake, tmp_path, SHARED_PREFIX)
-    # B loaded the shared prefix for Y, and nothing for the salted Y (another tenant).
-    assert loaded_blocks(b_log) == [SHARED_PREFIX // BLOCK_SIZE[kind]], b_log[-3000:]
-    assert loaded_blocks(decode_log) == [(PROMPT_TOKENS - 1) // BLOCK_SIZE[kind]]
-    assert tokens == single_instance(kind, model, SHARED_PREFIX, tmp_path / "single")
-
-
-def test_a_corrupted_reused_page_changes_the_output(tiny_models, mooncake, tmp_path,
-                                                    monkeypatch) -> None:
-    """Negative control for the equality above: Y shares every page X stored, the last one
-    corrupted in the store; B reuses it, and decode's answer must differ from the single
-    instance's."""
-    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-corrupt")
-    for folder in ("a", "b", "decode", "single"):
-        (tmp_path / folder).mkdir()
-    shared = (PROMPT_TOKENS - 1) // 32 * 32
-    tokens, b_log, _ = run_pipeline("gqa", model, mooncake, tmp_path, shared, corrupt=True)
-    assert loaded_blocks(b_log) == [shared // 32], b_log[-3000:]
-    assert tokens != single_instance("gqa", model, shared, tmp_path / "single")
+    (y_tokens, z_tokens), b_log, decode_log = run_pipeline(kind, model, mooncake, tmp_path)
+    # B loaded the shared prefix for Y, nothing for the salted Y (another tenant), and all of
+    # X's pages for Z.
+    block = BLOCK_SIZE[kind]
+    assert loaded_blocks(b_log) == [SHARED_PREFIX // block, WHOLE_BLOCKS // block], b_log[-3000:]
+    assert loaded_blocks(decode_log) == [(PROMPT_TOKENS - 1) // block] * 2
+    y_single, z_single = single_instance(kind, model, tmp_path / "single")
+    assert y_tokens == y_single
+    assert z_tokens != z_single  # negative control: the reused corrupted page is seen
 
 
 def test_a_second_turn_finds_its_whole_history_when_decode_saves(
@@ -119,7 +111,7 @@ def test_a_second_turn_finds_its_whole_history_when_decode_saves(
     model = shutil.copytree(tiny_models["gqa"], tmp_path / "gqa-turns")
     for folder in ("a", "decode", "b", "decode2", "single"):
         (tmp_path / folder).mkdir()
-    x, _ = prompts(SHARED_PREFIX)
+    x, _, _ = prompts()
     a_params, _ = prefill(tmp_path / "a", request("gqa", model, [x]), mooncake)
     saving = connector_config("kv_consumer", mooncake)
     saving["kv_connector_extra_config"]["save_decode_cache"] = True
