@@ -27,9 +27,11 @@ def test_the_planner_on_the_recorded_trace_against_the_best_static_configuration
     bounds = Bounds(1, 24, 1, 8)
     plan, decisions = planner_run(profile, requests, "store-aware", TARGETS, bounds)
     raw, _ = planner_run(profile, requests, "store-aware", TARGETS, bounds, raw_prompt=True)
-    # Measured (see the note): 1.21x the instances at TTFT p90 4.2 s; ITL well within.
-    assert plan.instances <= 1.25 * best.instances
-    assert plan.summary.ttft_p90 <= 1.1 * TARGETS.ttft_p90_s
+    # The target: both p90 targets met with at most 10% more instances (measured:
+    # 1.05x at TTFT p90 3.3 s; 1.21x at 4.2 s while the warm start read the pilot's KV
+    # demand after it had drained, and so started one decode instance).
+    assert plan.instances <= 1.10 * best.instances
+    assert plan.summary.ttft_p90 <= TARGETS.ttft_p90_s
     assert plan.summary.itl_p90 <= TARGETS.itl_p90_s
     # Sizing prefill on raw prompt tokens instead of uncached ones costs instances.
     assert raw.instances >= 1.2 * plan.instances

@@ -15,6 +15,7 @@ from disagg_sim.simulate import Summary, percentile, summarise
 from disagg_sim.trace import Request
 
 SAMPLE_S = 5.0
+KV_QUANTILE = 0.9  # of the interval's KV demand samples (the operator's too)
 LATENCY_WINDOW_S = 300.0
 
 
@@ -75,6 +76,20 @@ def kv_demand_now(cluster: Cluster) -> float:
                for d in cluster.decodes)
 
 
+def sample_kv_demand(cluster: Cluster, until: float) -> list[float]:
+    """KV demand every SAMPLE_S from now until `until` (or until the cluster is idle), as a
+    metrics scrape would see it: the list fills while the cluster's loop runs."""
+    samples: list[float] = []
+
+    def sample() -> None:
+        samples.append(kv_demand_now(cluster))
+        if cluster.loop.now + SAMPLE_S <= until:
+            cluster.loop.at(cluster.loop.now + SAMPLE_S, sample)
+
+    cluster.loop.at(cluster.loop.now + SAMPLE_S, sample)
+    return samples
+
+
 def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: Planner,
                         initial: Replicas, interval_s: float, targets: Targets | None = None,
                         raw_prompt: bool = False) -> tuple[Summary, list[Decision]]:
@@ -95,7 +110,7 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
     def tick() -> None:
         now = cluster.loop.now
         load = observe(cluster, now - interval_s, now, raw_prompt,
-                       percentile(samples, 0.9) if samples else None)
+                       percentile(samples, KV_QUANTILE) if samples else None)
         samples.clear()
         if load.requests_per_s > 0:
             current = Replicas(cluster.provisioned("prefill"), cluster.provisioned("decode"))

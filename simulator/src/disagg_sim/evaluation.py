@@ -8,10 +8,16 @@ from dataclasses import dataclass
 
 from disagg_operator.planner import Bounds, Planner, Replicas, Targets, recommend
 
-from disagg_sim.autoscale import Decision, observe, simulate_autoscaled
+from disagg_sim.autoscale import (
+    KV_QUANTILE,
+    Decision,
+    observe,
+    sample_kv_demand,
+    simulate_autoscaled,
+)
 from disagg_sim.cluster import Cluster
 from disagg_sim.profile import Profile
-from disagg_sim.simulate import Summary, simulate
+from disagg_sim.simulate import Summary, percentile, simulate
 from disagg_sim.trace import Request
 
 
@@ -59,10 +65,18 @@ def planner_for(profile: Profile, targets: Targets, bounds: Bounds,
 def warm_start(profile: Profile, requests: Sequence[Request], policy: str, targets: Targets,
                bounds: Bounds, interval_s: float, raw_prompt: bool) -> Replicas:
     """What the planner would have running already: its recommendation for the first
-    interval's load, observed in a short pilot run with room to spare."""
+    interval's load, observed in a short pilot run with room to spare (its KV demand sampled
+    while it runs, as the planner's driver samples it: read after the pilot, it is zero)."""
     pilot = [r for r in requests if r.arrival < interval_s]
-    _, cluster = simulate(profile, pilot, policy, bounds.prefill_max, bounds.decode_max)
-    load = observe(cluster, 0.0, interval_s, raw_prompt)
+    cluster = Cluster(profile, policy, pilot[0].block_tokens if pilot else 512)
+    cluster.add("prefill", bounds.prefill_max)
+    cluster.add("decode", bounds.decode_max)
+    for request in pilot:
+        cluster.submit(request)
+    samples = sample_kv_demand(cluster, interval_s)
+    cluster.loop.run()
+    load = observe(cluster, 0.0, interval_s, raw_prompt,
+                   percentile(samples, KV_QUANTILE) if samples else None)
     return recommend(load, profile.prefill, profile.decode,
                      targets, bounds).replicas
 
