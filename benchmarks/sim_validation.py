@@ -1,15 +1,18 @@
 """The simulator against the real local stack on the same replay window: whole conversations
 of the conversation trace through real 1P2D deployments of the tiny MLA model (real vLLM,
-Mooncake, etcd, proxy; benchmarks/trace_replay.py) and through the simulator with the
-`tiny-mla-cpu` profile (simulator/profiling/cpu_tiny.py measured it on this machine).
-Printed: TTFT p50/p90 and the prefill-computed share, measured and simulated, per policy:
+Mooncake, etcd, proxy; benchmarks/trace_replay.py) and through the simulator with a
+`tiny-mla-cpu` profile that simulator/profiling/cpu_tiny.py measures right before each run's
+replays (this machine's speed drifts by up to 3x over minutes, so a profile taken at another
+time says little about these replays; `--profile tiny-mla-cpu` uses the shipped one).
+Printed per run: TTFT p50/p90 and the prefill-computed share, measured and simulated, per
+policy:
 
 - `kvhelper` (store lookups and store-aware routing) <-> the simulator's `store-aware`;
 - `reuse-off` (no lookups, round-robin) <-> the simulator's `round-robin`.
 
 Targets: TTFT p50 within 25%, the computed share within 5 points, the same ranking.
 
-    .venv-serving/bin/python benchmarks/sim_validation.py --runs 2     # ~15 minutes
+    .venv-serving/bin/python benchmarks/sim_validation.py --runs 2     # ~20 minutes
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "simulator" / "profiling"))
 
-from disagg_sim.profile import load_profile  # noqa: E402
+from cpu_tiny import measure_profile  # noqa: E402
+from disagg_sim.profile import Profile, load_profile, parse_profile  # noqa: E402
 from disagg_sim.simulate import simulate  # noqa: E402
 from disagg_sim.trace import (  # noqa: E402
     read_trace,
@@ -45,7 +51,8 @@ def main() -> None:
     cli.add_argument("--speedup", type=float, default=20.0)
     cli.add_argument("--max-tokens", type=int, default=8)
     cli.add_argument("--runs", type=int, default=1, help="real runs per stack")
-    cli.add_argument("--profile", default="tiny-mla-cpu")
+    cli.add_argument("--profile", default="measure",
+                     help="`measure` (a profile measured before each run) or a profile name")
     args = cli.parse_args()
     if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
         os.environ["DISAGG_BENCH_NETNS"] = "1"
@@ -60,27 +67,43 @@ def main() -> None:
     requests = to_requests(rows, block_tokens, max_blocks, args.max_tokens,
                            scaled_arrivals(rows, args.speedup))
     assert sum(r.prompt_tokens for r in requests) == work.prompt_tokens, "replays differ"
-    profile = load_profile(args.profile)
     print(f"{len(requests)} requests, {work.prompt_tokens} prompt tokens, speedup "
-          f"{args.speedup:g}; simulator profile {profile.name}")
-    print(f"{'stack':<11}{'policy':<13}{'':<10}{'TTFT p50':>9}{'p90':>9}{'computed':>10}")
+          f"{args.speedup:g}; simulator profile: {args.profile}")
+    print(f"{'run':<5}{'stack':<11}{'policy':<13}{'':<11}{'TTFT p50':>9}{'p90':>9}"
+          f"{'computed':>10}")
+    errors: dict[str, list[float]] = {stack: [] for stack in STACKS}
     with tempfile.TemporaryDirectory(prefix="sim-validation-") as scratch:
-        for stack, policy in STACKS.items():
-            measured = [run_stack("mla", stack, 1, work, Path(scratch) / f"{stack}-{i}",
-                                  args.max_tokens) for i in range(args.runs)]
-            simulated, _ = simulate(profile, requests, policy, 1, 2)
-            p50s = [statistics.median(m.outcome.ttft) for m in measured]
-            p90s = [percentile(m.outcome.ttft, 0.9) for m in measured]
-            shares = [m.computed_share for m in measured]
-            for i in range(args.runs):
-                print(f"{stack:<11}{policy:<13}{f'run {i + 1}':<10}{p50s[i] * 1000:>7.0f}ms"
-                      f"{p90s[i] * 1000:>7.0f}ms{shares[i]:>10.3f}")
-            p50 = statistics.median(p50s)
-            print(f"{'':<24}{'simulated':<10}{simulated.ttft_p50 * 1000:>7.0f}ms"
-                  f"{simulated.ttft_p90 * 1000:>7.0f}ms{simulated.computed_share:>10.3f}"
-                  f"   TTFT p50 {simulated.ttft_p50 / p50 - 1:+.0%}, computed "
-                  f"{(simulated.computed_share - statistics.median(shares)) * 100:+.1f} pts",
-                  flush=True)
+        for run in range(1, args.runs + 1):
+            profile = current_profile(args.profile)
+            for stack, policy in STACKS.items():
+                measured = run_stack("mla", stack, 1, work,
+                                     Path(scratch) / f"{stack}-{run}", args.max_tokens)
+                simulated, _ = simulate(profile, requests, policy, 1, 2)
+                p50 = statistics.median(measured.outcome.ttft)
+                print(f"{run:<5}{stack:<11}{policy:<13}{'measured':<11}{p50 * 1000:>7.0f}ms"
+                      f"{percentile(measured.outcome.ttft, 0.9) * 1000:>7.0f}ms"
+                      f"{measured.computed_share:>10.3f}")
+                errors[stack].append(simulated.ttft_p50 / p50 - 1)
+                print(f"{'':<29}{'simulated':<11}{simulated.ttft_p50 * 1000:>7.0f}ms"
+                      f"{simulated.ttft_p90 * 1000:>7.0f}ms{simulated.computed_share:>10.3f}"
+                      f"   TTFT p50 {errors[stack][-1]:+.0%}, computed "
+                      f"{(simulated.computed_share - measured.computed_share) * 100:+.1f} pts",
+                      flush=True)
+    for stack, errs in errors.items():
+        print(f"{stack}: simulated TTFT p50 vs measured, each run: "
+              f"{' '.join(f'{e:+.0%}' for e in errs)} (target within 25%)")
+
+
+def current_profile(name: str) -> Profile:
+    if name != "measure":
+        return load_profile(name)
+    began = time.monotonic()
+    profile = parse_profile(measure_profile(echo=lambda _: None), "measured profile")
+    print(f"     profile measured in {time.monotonic() - began:.0f}s: prefill "
+          f"{profile.prefill.prompt_seconds(768, 0) * 1000:.0f}ms for 768 tokens, transfer "
+          f"{profile.transfer.latency_s * 1000:.0f}ms, store load "
+          f"{profile.store_load_seconds(512) * 1000:.1f}ms for 512 tokens", flush=True)
+    return profile
 
 
 if __name__ == "__main__":

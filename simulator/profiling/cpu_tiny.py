@@ -4,12 +4,15 @@ vLLM, Mooncake, etcd, proxy) and write the simulator's `tiny-mla-cpu` profile:
 - prefill: one request at a time straight to the prefill instance, prompts of several lengths;
 - decode: B streams at once straight to a decode instance, the gaps between their tokens;
 - transfer: one request at a time through the proxy; what its time to first token adds to the
-  prefill and one decode step is the proxy, the store's put and get and the hand-over.
+  prefill and one decode step is the proxy, the store's put and get and the hand-over;
+- store load: a prompt straight to the prefill instance, then the same prompt and a few tokens
+  more, whose stored blocks prefill's own lookup loads: the load times its connector logs.
 
     .venv-serving/bin/python simulator/profiling/cpu_tiny.py \\
         --out simulator/src/disagg_sim/profiles/tiny-mla-cpu.yaml
 
 About four minutes on 2 cores. As root it runs in a private network namespace.
+benchmarks/sim_validation.py measures a profile this way before each of its replays.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ import asyncio
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,9 @@ DECODE_BATCHES = [1, 4, 8, 16]
 DECODE_PROMPTS = [64, 512]
 REPEATS = 9
 GENERATED = 48
+STORE_HIT_LENGTHS = [256, 512, 768]
+STORE_HIT_TAIL = 16  # tokens after the stored prompt, computed
+LOADED = re.compile(r"loaded (\d+) KV blocks \((\d+) bytes\) from the store in ([0-9.]+) ms")
 
 
 def prompt(length: int, rng: random.Random, vocab: int) -> list[int]:
@@ -84,19 +92,24 @@ async def measure(prefill: str, decode: str, proxy: str, model: str, vocab: int
                 **base, "prompt": prompt(length, rng, vocab), "max_tokens": 2}))[0]
                 for _ in range(REPEATS)]
             proxy_points.append((length, statistics.median(times)))
+        for length in STORE_HIT_LENGTHS:
+            for _ in range(REPEATS):
+                stored = prompt(length, rng, vocab)
+                for tokens in (stored, stored + prompt(STORE_HIT_TAIL, rng, vocab)):
+                    await timed_request(session, prefill, {**base, "prompt": tokens,
+                                                           "max_tokens": 1})
     return {"prefill": prefill_points, "decode": decode_points, "proxy": proxy_points}
 
 
+def store_loads(prefill_log: str) -> list[tuple[int, float]]:
+    """(bytes, seconds) of each load the prefill instance's connector logged."""
+    return [(int(m.group(2)), float(m.group(3)) / 1000) for m in LOADED.finditer(prefill_log)]
 
-def main() -> None:
-    cli = argparse.ArgumentParser(description=__doc__,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_argument("--out", type=Path, required=True, help="the profile file to write")
-    args = cli.parse_args()
-    if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
-        os.environ["DISAGG_BENCH_NETNS"] = "1"
-        os.execvp("unshare", ["unshare", "-n", "sh", "-c",
-                              'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+
+
+def measure_profile(echo: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Start a local 1P2D deployment of the tiny MLA model, measure it and return the profile
+    (the YAML file's content). Call it inside a private network namespace."""
     from disagg_devtools.local.cli import load, with_tiny_model
     from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
     from disagg_devtools.processes import free_port
@@ -110,7 +123,7 @@ def main() -> None:
         bytes_per_token = config["num_hidden_layers"] * (
             config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 2
         deployment = LocalDeployment(name, spec, folder, proxy_port=free_port(),
-                                     echo=lambda line: print(line, file=sys.stderr))
+                                     echo=echo or (lambda line: print(line, file=sys.stderr)))
         began = time.monotonic()
         try:
             proxy = asyncio.run(deployment.up(timeout=900))
@@ -120,8 +133,43 @@ def main() -> None:
                     for role in ("prefill", "decode")}
             points = asyncio.run(measure(urls["prefill"][0], urls["decode"][0], proxy,
                                          spec.model.served_model_name or name, VOCAB))
+            prefill_log = next(i.log for i in deployment.started if i.spec.role == "prefill")
+            points["store"] = store_loads(prefill_log.read_text(errors="replace"))
         finally:
             stop_recorded(folder, lambda _: None)
+    return build_profile(points, startup, bytes_per_token)
+
+
+def fit_transfer(points: list[tuple[int, float]], bytes_per_token: float
+                 ) -> tuple[dict[str, float], float, bool]:
+    """latency + tokens * bytes_per_token / bandwidth over (tokens, seconds) points; when the
+    per-token term is below what the points resolve, the median as latency and 1 GB/s.
+    Returns the section, the fit's largest relative error, and whether bandwidth was fitted."""
+    (latency, per_token), error = fit([[1, n] for n, _ in points],
+                                      [max(t, 1e-4) for _, t in points])
+    fitted = per_token >= 1e-7
+    if not fitted:
+        latency = max(0.0, statistics.median(t for _, t in points))
+        per_token = bytes_per_token / 1e9
+    return ({"bytes_per_token": bytes_per_token,
+             "bandwidth_bytes_per_s": bytes_per_token / max(per_token, 1e-9),
+             "latency_s": latency}, error, fitted)
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    cli.add_argument("--out", type=Path, required=True, help="the profile file to write")
+    args = cli.parse_args()
+    if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
+        os.environ["DISAGG_BENCH_NETNS"] = "1"
+        os.execvp("unshare", ["unshare", "-n", "sh", "-c",
+                              'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    args.out.write_text(yaml.safe_dump(measure_profile(), sort_keys=False, width=100))
+
+
+def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float
+                  ) -> dict[str, Any]:
     (p_base, p_token, p_context), p_error = fit([[1, n, n * n / 2] for n, _ in points["prefill"]],
                                                 [t for _, t in points["prefill"]])
     (d_base, d_seq, d_ctx), d_error = fit([[1, b, b * c] for b, c, _ in points["decode"]],
@@ -132,15 +180,13 @@ def main() -> None:
 
     measured = "measured here by simulator/profiling/cpu_tiny.py"
     extra = [(n, t - prefill_s(n) - (d_base + d_seq + d_ctx * n)) for n, t in points["proxy"]]
-    (t_latency, t_per_token), t_error = fit([[1, n] for n, _ in extra],
-                                            [max(e, 1e-4) for _, e in extra])
-    bandwidth_note = f"{measured}: the per-token term of the transfer fit"
-    if t_per_token < 1e-7:  # below what these few milliseconds resolve
-        t_latency = max(0.0, statistics.median(e for _, e in extra))
-        t_per_token = bytes_per_token / 1e9
-        bandwidth_note = ("assumption: 1 GB/s; the tiny model's pages (under 2 MB a prompt) "
-                          "move faster than these figures resolve, so the transfer is its "
-                          "median overhead")
+    transfer, t_error, fitted = fit_transfer(extra, bytes_per_token)
+    unresolved = ("assumption: 1 GB/s; the tiny model's pages (under 2 MB a prompt) move "
+                  "faster than these figures resolve, so the time is its median overhead")
+    bandwidth_note = f"{measured}: the per-token term of the fit" if fitted else unresolved
+    loads = [(int(b / bytes_per_token), t) for b, t in points["store"] if b]
+    store_load, s_error, s_fitted = fit_transfer(loads, bytes_per_token) if loads else (
+        None, 0.0, False)
     profile = {
         "name": "tiny-mla-cpu",
         "description": "the project's tiny MLA model (vLLM CPU build, bfloat16, block 32) on "
@@ -149,10 +195,9 @@ def main() -> None:
                     "max_batched_tokens": 2048, "gpus": 1},
         "decode": {"base_s": d_base, "per_sequence_s": d_seq, "per_context_token_s": d_ctx,
                    "max_sequences": 128, "kv_capacity_tokens": 1_000_000, "gpus": 1},
-        "transfer": {"bytes_per_token": bytes_per_token,
-                     "bandwidth_bytes_per_s": bytes_per_token / max(t_per_token, 1e-9),
-                     "latency_s": t_latency},
+        "transfer": transfer,
         "store_capacity_bytes": 3 * 256 * 2**20,
+        **({"store_load": store_load} if store_load else {}),
         "engine_prefix_cache": False,
         "engine_cache_tokens": 0,
         "startup_s": round(startup, 1),
@@ -172,6 +217,13 @@ def main() -> None:
                         f"(fit error up to {t_error:.1%})",
             "transfer.bytes_per_token": "the tiny model's layers x (kv_lora_rank + rope) x 2",
             "transfer.bandwidth_bytes_per_s": bandwidth_note,
+            "store_load": f"{measured}: the load times prefill's connector logged for "
+                          f"{len(loads)} prompts sent again with {STORE_HIT_TAIL} tokens more "
+                          f"(stored {STORE_HIT_LENGTHS} tokens; the store read and the "
+                          f"scatter into the cache), median "
+                          f"{statistics.median(t for _, t in loads) * 1000 if loads else 0:.1f}"
+                          f" ms (fit error up to {s_error:.1%}); bandwidth: "
+                          + ("the per-token term of the fit" if s_fitted else unresolved),
             "prefill.max_batched_tokens": "vLLM CPU default max_num_batched_tokens (2048)",
             "decode.max_sequences": "vLLM CPU default max_num_seqs for the API server (128)",
             "decode.kv_capacity_tokens": "assumption: more than the replays use (the tiny "
@@ -181,7 +233,7 @@ def main() -> None:
             "startup_s": f"{measured}: the 1P2D deployment's start, all processes",
         },
     }
-    args.out.write_text(yaml.safe_dump(profile, sort_keys=False, width=100))
+    return profile
 
 
 if __name__ == "__main__":

@@ -190,6 +190,28 @@ def test_store_aware_computes_what_an_unbounded_cluster_cache_would() -> None:
     assert summary.ttft_p50 < no_reuse.ttft_p50
 
 
+def test_prefill_reads_its_store_hits_at_the_store_loads_cost_not_the_hand_overs() -> None:
+    """A prefill instance loading its own store hits pays the profile's store load; the
+    transfer's latency (the hand-over to decode, through the proxy) only once per request."""
+    requests = [request(0, 0.0, 320, 2, tuple(range(10))),
+                request(1, 10.0, 384, 2, tuple(range(12)))]  # 10 stored blocks, 2 new
+    slow_hand_over = {"bytes_per_token": 1000, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.5}
+    fallback = parse_profile(small_profile(transfer=slow_hand_over))
+    own = parse_profile(small_profile(transfer=slow_hand_over, store_load={
+        "bytes_per_token": 1000, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.001}))
+    assert own.store_load_seconds(320) == pytest.approx(0.001 + 320e-6)
+    assert fallback.store_load_seconds(320) == fallback.transfer.seconds(320)
+    ttft = {}
+    for name, profile in (("fallback", fallback), ("own", own)):
+        _, cluster = simulate(profile, requests, "store-aware", 1, 1)
+        hit = cluster.outcomes[1]
+        assert hit.route == "prefill" and hit.computed_tokens == 64
+        ttft[name] = hit.ttft
+    assert ttft["fallback"] - ttft["own"] == pytest.approx(0.5 - 0.001, abs=1e-6)
+    with pytest.raises(ValueError, match="store_load"):
+        parse_profile(small_profile(store_load={"latency": 1}))
+
+
 def test_a_small_store_evicts_and_reuses_less() -> None:
     requests = conversation_requests()
     roomy = parse_profile(small_profile(engine_prefix_cache=False))

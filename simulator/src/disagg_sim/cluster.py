@@ -158,7 +158,7 @@ class Cluster:
             chosen = min(prefills, key=lambda p: p.expected_tokens
                          + request.prompt_tokens - cached[p.name] * bt)
             from_store = stored * bt
-            delay = lookup + self.profile.transfer.seconds(from_store) if stored else lookup
+            delay = lookup + self.profile.store_load_seconds(from_store) if stored else lookup
             hits = cached[chosen.name]
             self._local_hits(chosen, request)  # a use, for its LRU order
         else:

@@ -1,7 +1,10 @@
 """A profile: the coefficients of one model on one kind of hardware, read from a YAML file.
 
     prefill and decode steps: disagg_operator.performance (the planner sizes replicas with them)
-    KV transfer = latency + tokens * bytes_per_token / bandwidth
+    KV transfer = latency + tokens * bytes_per_token / bandwidth: prefill to decode, with the
+        hand-over through the proxy in its latency
+    store load = the same form: a prefill instance reading its own store hits (no hand-over);
+        the transfer's when a profile has no figure of its own
 
 Every file says where each figure comes from (`sources`): measured here by a script, or taken
 from a named database or publication.
@@ -37,12 +40,17 @@ class Profile:
     decode: DecodeModel
     transfer: TransferModel
     store_capacity_bytes: float
+    store_load: TransferModel | None = None
     engine_prefix_cache: bool = True  # vLLM's own prefix cache on each instance
     engine_cache_tokens: int = 1_000_000  # what one prefill instance's cache holds
     startup_s: float = 60.0  # from scale-out to serving
     store_lookup_s: float = 0.0005  # the proxy's existence check
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
+
+    def store_load_seconds(self, tokens: int) -> float:
+        """A prefill instance loading `tokens` of its prompt from the store."""
+        return (self.store_load or self.transfer).seconds(tokens)
 
     def store_blocks(self, block_tokens: int) -> int:
         return int(self.store_capacity_bytes // (self.transfer.bytes_per_token * block_tokens))
@@ -64,6 +72,8 @@ def parse_profile(data: dict[str, Any], where: str = "profile") -> Profile:
                                   ("transfer", TransferModel))}
     except KeyError as err:
         raise ValueError(f"{where}: missing section {err}") from None
+    if (store_load := data.pop("store_load", None)) is not None:
+        parts["store_load"] = _build(TransferModel, dict(store_load), f"{where}: store_load")
     profile: Profile = _build(Profile, {**data, **parts}, where)
     return profile
 
