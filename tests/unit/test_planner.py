@@ -106,3 +106,26 @@ def test_scale_down_waits_for_the_window_and_steps_one_at_a_time() -> None:
     assert counts == [high.prefill] * 4  # the busy minute is still in the window
     after = planner.decide(360, quiet, high).replicas.prefill
     assert after == high.prefill - 1
+
+
+def test_a_worked_off_backlog_or_latency_spike_does_not_hold_instances_for_the_window() -> None:
+    """Instances added to work off a backlog (or for measured latencies over target) are
+    transient: once the queue is gone, the count goes back to what the arrivals need, without
+    waiting for the scale-down window that protects against swings in the arrivals."""
+    planner = Planner(PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64), scale_down_window_s=300,
+                      scale_down_step=64)
+    steady = Load(requests_per_s=3.4, uncached_tokens_per_s=60_000, cached_tokens_mean=0,
+                  prompt_tokens_mean=12_000, output_tokens_mean=350)
+    queued = dataclasses.replace(steady, queued_uncached_tokens=5_000_000, ttft_p90_s=30.0)
+    base = planner.decide(0, steady, Replicas(1, 1)).replicas
+    spike = planner.decide(60, queued, base).replicas
+    assert spike.prefill > base.prefill
+    assert spike.prefill == recommend(queued, PREFILL, DECODE, TARGETS,
+                                      Bounds(1, 64, 1, 64)).replicas.prefill
+    assert planner.decide(120, steady, spike).replicas.prefill == base.prefill
+    # Transient parts can be kept in the window, as before.
+    holding = Planner(PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64), scale_down_window_s=300,
+                      scale_down_step=64, transient_scale_down=False)
+    holding.decide(0, steady, Replicas(1, 1))
+    holding.decide(60, queued, base)
+    assert holding.decide(120, steady, spike).replicas.prefill == spike.prefill

@@ -90,10 +90,16 @@ class Recommendation:
     prefill_need: float  # instances the load needs before rounding and bounds
     decode_need: float
     reason: str
+    # What the arrivals alone need, without working off a backlog or correcting for measured
+    # latencies: both are transient, so a scale-down waits only for this to agree.
+    steady: Replicas | None = None
 
 
-def prefill_need(load: Load, model: PrefillModel, ttft_target: float) -> tuple[float, str]:
-    if load.uncached_tokens_per_s <= 0 and load.queued_uncached_tokens <= 0:
+def prefill_need(load: Load, model: PrefillModel, ttft_target: float,
+                 backlog_drain_s: float | None = BACKLOG_DRAIN_S) -> tuple[float, str]:
+    """Prefill instances for the load; `backlog_drain_s` None leaves the backlog out."""
+    if load.uncached_tokens_per_s <= 0 and (load.queued_uncached_tokens <= 0
+                                            or backlog_drain_s is None):
         return 0.0, "no prefill work"
     uncached_mean = load.uncached_tokens_per_s / max(load.requests_per_s, 1e-9)
     service = model.prompt_seconds(uncached_mean, load.cached_tokens_mean)
@@ -109,7 +115,7 @@ def prefill_need(load: Load, model: PrefillModel, ttft_target: float) -> tuple[f
         headroom = (ttft_target - slow) / (P90_OF_MEAN * service * spread)
         rho = min(MAX_UTILISATION, headroom / (1 + headroom))
     capacity = model.tokens_per_second(load.cached_tokens_mean) * rho
-    backlog = load.queued_uncached_tokens / BACKLOG_DRAIN_S
+    backlog = 0.0 if backlog_drain_s is None else load.queued_uncached_tokens / backlog_drain_s
     need = (load.uncached_tokens_per_s + backlog) / capacity
     if backlog > 0.1 * load.uncached_tokens_per_s:
         note += f"; {load.queued_uncached_tokens:.0f} queued tokens to work off"
@@ -154,23 +160,29 @@ def within_band(p: int, d: int, bounds: Bounds) -> tuple[int, int]:
     return p, d
 
 
+def bounded(p_need: float, d_need: float, bounds: Bounds) -> Replicas:
+    p = min(bounds.prefill_max, max(bounds.prefill_min, math.ceil(p_need - 1e-9)))
+    d = min(bounds.decode_max, max(bounds.decode_min, math.ceil(d_need - 1e-9)))
+    return Replicas(*within_band(p, d, bounds))
+
+
 def recommend(load: Load, prefill: PrefillModel, decode: DecodeModel, targets: Targets,
               bounds: Bounds) -> Recommendation:
     """The replicas this interval's load needs, clamped and kept in the ratio band."""
     p_need, p_why = prefill_need(load, prefill, targets.ttft_p90_s)
     d_need, d_why = decode_need(load, decode, targets.itl_p90_s)
+    p_steady, _ = prefill_need(load, prefill, targets.ttft_p90_s, backlog_drain_s=None)
+    steady = bounded(p_steady, d_need, bounds)
     p_need *= correction(load.ttft_p90_s, targets.ttft_p90_s)
     d_need *= correction(load.itl_p90_s, targets.itl_p90_s)
-    p = min(bounds.prefill_max, max(bounds.prefill_min, math.ceil(p_need - 1e-9)))
-    d = min(bounds.decode_max, max(bounds.decode_min, math.ceil(d_need - 1e-9)))
-    p, d = within_band(p, d, bounds)
-    return Recommendation(Replicas(p, d), p_need, d_need, f"prefill: {p_why}; decode: {d_why}")
+    return Recommendation(bounded(p_need, d_need, bounds), p_need, d_need,
+                          f"prefill: {p_why}; decode: {d_why}", steady)
 
 
 @dataclass
 class Stabiliser:
-    """Scale up at once; scale down only to the highest recommendation of the last `window_s`
-    seconds, and by at most `step` instances per decision."""
+    """Scale up at once; scale down only to the highest steady recommendation of the last
+    `window_s` seconds, and by at most `step` instances per decision."""
     window_s: float
     step: int = 1
     _history: deque[tuple[float, int]] = field(default_factory=deque)
@@ -179,8 +191,10 @@ class Stabiliser:
         """Count `count` as recommended at `now` (a driver that restarts with a decision)."""
         self._history.append((now, count))
 
-    def settle(self, now: float, recommended: int, current: int) -> int:
-        self._history.append((now, recommended))
+    def settle(self, now: float, recommended: int, current: int,
+               steady: int | None = None) -> int:
+        """`steady`: the part of `recommended` that is not transient (default: all of it)."""
+        self._history.append((now, recommended if steady is None else min(steady, recommended)))
         while self._history and self._history[0][0] < now - self.window_s:
             self._history.popleft()
         if recommended >= current:
@@ -198,6 +212,7 @@ class Planner:
     bounds: Bounds = field(default_factory=Bounds)
     scale_down_window_s: float = 300.0
     scale_down_step: int = 1
+    transient_scale_down: bool = True
 
     def __post_init__(self) -> None:
         self._stabilisers = {role: Stabiliser(self.scale_down_window_s, self.scale_down_step)
@@ -208,7 +223,11 @@ class Planner:
 
     def decide(self, now: float, load: Load, current: Replicas) -> Recommendation:
         raw = recommend(load, self.prefill, self.decode, self.targets, self.bounds)
+        steady = raw.steady if self.transient_scale_down else None
         settled = Replicas(
-            self._stabilisers["prefill"].settle(now, raw.replicas.prefill, current.prefill),
-            self._stabilisers["decode"].settle(now, raw.replicas.decode, current.decode))
-        return Recommendation(settled, raw.prefill_need, raw.decode_need, raw.reason)
+            self._stabilisers["prefill"].settle(now, raw.replicas.prefill, current.prefill,
+                                                steady and steady.prefill),
+            self._stabilisers["decode"].settle(now, raw.replicas.decode, current.decode,
+                                               steady and steady.decode))
+        return Recommendation(settled, raw.prefill_need, raw.decode_need, raw.reason,
+                              raw.steady)
