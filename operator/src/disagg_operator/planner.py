@@ -226,8 +226,8 @@ class Planner:
         steady = raw.steady if self.transient_scale_down else None
         settled = Replicas(
             self._stabilisers["prefill"].settle(now, raw.replicas.prefill, current.prefill,
-                                                steady and steady.prefill),
+                                                None if steady is None else steady.prefill),
             self._stabilisers["decode"].settle(now, raw.replicas.decode, current.decode,
-                                               steady and steady.decode))
+                                               None if steady is None else steady.decode))
         return Recommendation(settled, raw.prefill_need, raw.decode_need, raw.reason,
                               raw.steady)
