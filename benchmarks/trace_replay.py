@@ -7,9 +7,13 @@ measured in this run, on the same replay:
   (with `--prefills 1 2`, one and two prefill instances);
 - `kvhelper-save`: the same with decode saving (kvTransfer.saveDecodeCache), one prefill;
 - `kvhelper-sync`: the same with stores inside prefill's step (save_async: false);
-- `kvhelper-step-loads`: the same with loads inside the step (load_async: false);
+- `kvhelper-step-loads`: the same with decode's loads inside the step too (load_async: false);
+- `kvhelper-lookup-async`: the same with prefill's own store hits loaded asynchronously
+  (lookup_load_async: true), as before they loaded in the step;
 - `kvhelper-local`: the same with proxy.localPrefillTokens (`--local-prefill-tokens`): a
   prompt whose unstored rest is that short goes straight to decode, which computes it;
+- `kvhelper-no-routing` / `kvhelper-no-lookup`: the same with only prefill's store lookups, or
+  only the proxy's store routing (which of the two costs or saves what);
 - `reuse-off`: the same stack as before this feature: no store lookups, no store routing;
 - `vllm-builtin`: vLLM's built-in MooncakeStoreConnector (kvTransfer.implementation: vllm)
   through the same proxy;
@@ -265,6 +269,12 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         transfer.setdefault("extraConfig", {})["save_async"] = False
     elif stack == "kvhelper-step-loads":
         transfer.setdefault("extraConfig", {})["load_async"] = False
+    elif stack == "kvhelper-no-routing":
+        spec_doc.setdefault("proxy", {})["storeRouting"] = False
+    elif stack == "kvhelper-no-lookup":
+        transfer.setdefault("extraConfig", {})["store_lookup"] = False
+    elif stack == "kvhelper-lookup-async":
+        transfer.setdefault("extraConfig", {})["lookup_load_async"] = True
     elif stack == "kvhelper-local":
         spec_doc.setdefault("proxy", {})["localPrefillTokens"] = local_prefill_tokens
     folder = RunFolder(folder_root / f"{stack}-{prefills}p")
@@ -284,6 +294,9 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         time.sleep(12)
         after = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens))
         proxy_text = scrape_text(url)
+        for role, urls in instances.items():  # kept with the logs (--keep), for a closer look
+            for i, instance_url in enumerate(urls):
+                (folder.logs / f"{role}-{i}.metrics.txt").write_text(scrape_text(instance_url))
         routes, phases = route_counts(proxy_text), phase_means(proxy_text)
         store = store_usage(deployment, doc["metadata"]["name"])
         skipped_tail = 0.0

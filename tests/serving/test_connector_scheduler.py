@@ -17,7 +17,7 @@ from kvhelper.connector_metrics import TransferStats
 from kvhelper.keys import block_key
 from kvhelper.store import MooncakeConfig, StoreError
 from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
-from kvhelper.transfer_params import STORING_KEY
+from kvhelper.transfer_params import STORED_HINT_KEY, STORING_KEY
 
 BLOCK = 16
 IDENTITY = {"model": "m", "mla": True, "block_size": BLOCK}
@@ -215,6 +215,54 @@ def test_a_request_vllm_cannot_place_yet_asks_the_store_once() -> None:
     for _ in range(3):  # no free blocks: vLLM asks again on each step
         assert producer.get_num_new_matched_tokens(req, 0) == (5 * BLOCK, False)
     assert store.asked == 1
+
+
+@pytest.mark.parametrize("lookup_load_async", [False, True])
+def test_own_store_hits_load_in_the_step_unless_set_and_decode_loads_stay_async(
+        lookup_load_async: bool) -> None:
+    """A prefill instance's own hits are read before the step's forward by default (vLLM
+    would start an asynchronous load after it and schedule the request two steps later);
+    decode's loads of prefill's pages stay asynchronous (load_async)."""
+    req = request("r", 6 * BLOCK + 1, {"do_remote_decode": True})
+    store = FakeStore({block_key("fp", h.hex()) for h in req.block_hashes[:4]})
+    producer = SchedulerSide(BLOCK, True, False, IDENTITY, load_async=True,
+                             stats=TransferStats(), lookup=lookup_over(store),
+                             lookup_load_async=lookup_load_async)
+    producer.set_layout(StoreHandshake("fp", None))
+    assert producer.get_num_new_matched_tokens(req, 0) == (4 * BLOCK, lookup_load_async)
+    producer.update_state_after_alloc(req, blocks(list(range(7))), 4 * BLOCK)
+    (load,) = producer.build_connector_meta(step({"r": 2 * BLOCK + 1})).loads
+    assert load.asynchronous == lookup_load_async and load.block_ids == [0, 1, 2, 3]
+    consumer = side(consumer=True)
+    decode = request("d", 6 * BLOCK + 1, decode_params(6 * BLOCK))
+    assert consumer.get_num_new_matched_tokens(decode, 0) == (6 * BLOCK, True)
+    consumer.update_state_after_alloc(decode, blocks(list(range(7))), 6 * BLOCK)
+    (load,) = consumer.build_connector_meta(step({})).loads
+    assert load.asynchronous
+
+
+def test_what_the_proxy_found_replaces_the_lookup_when_it_hashed_and_keyed_alike() -> None:
+    req = request("r", 6 * BLOCK + 1)
+    store = FakeStore({block_key("fp", h.hex()) for h in req.block_hashes[:5]})
+    last = req.block_hashes[5].hex()
+
+    def hinted(**changes: Any) -> tuple[int, int]:
+        hint = {"tokens": 3 * BLOCK, "asked": 6, "last_hash": last,
+                "key_space": {"fingerprint": "fp", "shards": None}, **changes}
+        producer = producer_over(store)
+        asked = store.asked
+        tokens, _ = producer.get_num_new_matched_tokens(
+            request("r", 6 * BLOCK + 1, {"do_remote_decode": True, STORED_HINT_KEY: hint}), 0)
+        return tokens, store.asked - asked
+
+    assert hinted() == (3 * BLOCK, 0)  # the proxy's answer, the store not asked
+    assert hinted(tokens=0) == (0, 0)  # nothing stored when the proxy looked
+    # Another hash of the last block asked (another tokenization, salt or hash seed), or
+    # another instance's keys: the proxy's answer says nothing about these; ask the store.
+    assert hinted(last_hash="00" * 8) == (5 * BLOCK, 1)
+    assert hinted(key_space={"fingerprint": "other", "shards": None}) == (5 * BLOCK, 1)
+    assert hinted(asked=9) == (5 * BLOCK, 1)
+    assert hinted(tokens="3") == (5 * BLOCK, 1)
 
 
 def test_prefill_tells_the_proxy_how_its_store_keys_are_made() -> None:

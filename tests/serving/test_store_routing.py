@@ -20,6 +20,7 @@ from kvhelper.transfer_params import (
     IDENTITY_KEY,
     KEY_SPACE_KEY,
     PREFIX_HASH_KEY,
+    STORED_HINT_KEY,
     TOKENS_KEY,
     load_from_store,
 )
@@ -101,6 +102,12 @@ async def test_a_stored_prompt_skips_prefill_and_decode_is_told_to_load_it(
     assert (await post(f"{proxy}/v1/completions", body))[0] == 200
     assert len(prefill.requests) == 2
     assert lookup.asked[-1] == (SPACE, hashes)
+    # ... and is told what the proxy found, so that its connector need not ask again; the
+    # first request (nothing learned, no lookup) was told nothing.
+    assert STORED_HINT_KEY not in prefill.requests[0]["kv_transfer_params"]
+    assert prefill.requests[1]["kv_transfer_params"][STORED_HINT_KEY] == {
+        "tokens": 2 * BLOCK, "asked": len(hashes), "last_hash": hashes[-1],
+        "key_space": SPACE.to_json()}
     # All of it stored: straight to decode, with what makes decode load it.
     lookup.held = set(hashes)
     status, headers, raw = await post(f"{proxy}/v1/completions", body)

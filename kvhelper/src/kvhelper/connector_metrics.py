@@ -34,6 +34,7 @@ COUNTERS = {
     "lookups": "New prompts looked up in the store before computing them",
     "lookup_hit_blocks": "Leading KV blocks of looked-up prompts found in the store (loaded)",
     "lookups_failed": "Lookups the store could not answer (the prompt was computed)",
+    "lookup_hints": "New prompts whose stored blocks the proxy had found (no lookup here)",
     # Decode saving (save_decode_cache): finished requests stored, and the bytes that took.
     "decode_saves": "Finished requests whose prompt and generated blocks were stored",
     "decode_bytes_stored": "KV bytes stored for finished requests (decode saving)",

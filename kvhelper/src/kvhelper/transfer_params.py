@@ -16,6 +16,13 @@ STORING_KEY = "kvhelper_storing"
 # decode ignores it.
 KEY_SPACE_KEY = "kvhelper_key_space"
 
+# From the proxy to prefill: what its store lookup found for this prompt, so that prefill's
+# connector need not ask the store again (its existence call stalls vLLM's scheduler):
+# {"tokens": leading prompt tokens stored, "asked": blocks looked up, "last_hash": hex hash of
+# the last of those (prefill trusts the answer only if its own hash of that block is the same),
+# "key_space": KeySpace.to_json() of the keys asked}.
+STORED_HINT_KEY = "kvhelper_stored"
+
 # vLLM's own keys: the request's KV comes from elsewhere, and no peer is to be contacted.
 _NO_PEER: dict[str, Any] = {"remote_engine_id": None, "remote_block_ids": None,
                             "remote_host": None, "remote_port": None}

@@ -98,8 +98,8 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 int(vllm_config.cache_config.block_size), bool(transfer.is_kv_producer),
                 bool(transfer.is_kv_consumer), identity, self.settings.load_async, self.stats,
-                lookup, self.settings.save_decode_cache, self.settings.save_async,
-                self.settings.store_wait_seconds)
+                lookup, self.settings.lookup_load_async, self.settings.save_decode_cache,
+                self.settings.save_async, self.settings.store_wait_seconds)
 
     @property
     def scheduler(self) -> SchedulerSide:

@@ -33,6 +33,9 @@ class Transfer:
     # A load of pages prefill may still be writing (its stores are asynchronous): seconds to
     # wait for them to appear before the missing ones count as failed.
     wait_seconds: float = 0.0
+    # A load on the loader thread (the request waits in WAITING_FOR_REMOTE_KVS), or one that
+    # ends inside the step, before its forward.
+    asynchronous: bool = True
 
 
 @dataclass
@@ -80,4 +83,5 @@ class RequestRecord:
     stored_prefix: tuple[int, int] | None = None
     saved_tokens: int | None = None  # producer: prompt tokens decode can load
     wait_seconds: float = 0.0  # consumer: how long to wait for pages prefill still writes
+    load_async: bool = True  # whether the load vLLM was told of is asynchronous
     prefix_hash: str | None = None  # producer: hex hash of the last of those blocks

@@ -22,7 +22,7 @@ from kvhelper.connector.data import (
 from kvhelper.connector.lookup import StoreHandshake
 from kvhelper.connector_metrics import TransferStats
 from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
-from kvhelper.transfer_params import STORING_KEY, load_from_store
+from kvhelper.transfer_params import STORED_HINT_KEY, STORING_KEY, load_from_store
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -35,13 +35,14 @@ log = logging.getLogger("vllm.kvhelper.connector")
 class SchedulerSide:
     def __init__(self, block_size: int, is_producer: bool, is_consumer: bool,
                  identity: dict[str, Any], load_async: bool, stats: TransferStats,
-                 lookup: StoredPrefixLookup | None = None,
+                 lookup: StoredPrefixLookup | None = None, lookup_load_async: bool = False,
                  save_decode_cache: bool = False, save_async: bool = False,
                  store_wait_seconds: float = 0.0) -> None:
         self.block_size = block_size
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.identity = identity
         self.load_async = load_async
+        self.lookup_load_async = lookup_load_async
         self.stats = stats
         # Asked for requests that carry no prefill parameters, on instances that prefill.
         self.lookup = lookup if is_producer else None
@@ -86,6 +87,7 @@ class SchedulerSide:
         external = max(0, blocks * self.block_size - num_computed_tokens)
         record.local_hit_tokens = num_computed_tokens if external else None
         record.wait_seconds = self.store_wait_seconds if params.get(STORING_KEY) else 0.0
+        record.load_async = self.load_async
         return external, self.load_async and external > 0
 
     def _stored_prefix(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -103,6 +105,10 @@ class SchedulerSide:
             return 0, False
         if record.stored_prefix is not None and record.stored_prefix[0] == first:
             found: int | None = record.stored_prefix[1]  # asked again: no new lookup
+        elif (hinted := self._hinted_blocks(request)) is not None:
+            found = max(0, min(hinted, last) - first)  # the proxy looked: no lookup here
+            self.stats.count("lookup_hints")
+            record.stored_prefix = (first, found)
         else:
             started = time.perf_counter()
             found = self.lookup.stored_blocks(
@@ -116,8 +122,23 @@ class SchedulerSide:
             return 0, False
         self.stats.count("lookup_hit_blocks", found)
         record.local_hit_tokens = num_computed_tokens
-        external = found * self.block_size
-        return external, self.load_async
+        record.load_async = self.lookup_load_async
+        return found * self.block_size, self.lookup_load_async
+
+    def _hinted_blocks(self, request: Request) -> int | None:
+        """Leading blocks the proxy found stored for this prompt (transfer_params'
+        STORED_HINT_KEY), if it asked this instance's keys and hashed the prompt as vLLM did
+        (its hash of the last block it asked is this request's); None: look it up here."""
+        hint = (request.kv_transfer_params or {}).get(STORED_HINT_KEY)
+        if not isinstance(hint, dict):
+            return None
+        tokens, asked, last_hash = hint.get("tokens"), hint.get("asked"), hint.get("last_hash")
+        if not (isinstance(tokens, int) and isinstance(asked, int)
+                and 0 < asked <= len(request.block_hashes) and 0 <= tokens <= asked
+                * self.block_size and KeySpace.from_json(hint.get("key_space")) == self.key_space
+                and bytes(request.block_hashes[asked - 1]).hex() == last_hash):
+            return None
+        return tokens // self.block_size
 
     def set_layout(self, handshake: StoreHandshake) -> None:
         self.key_space = handshake.key_space
@@ -156,7 +177,8 @@ class SchedulerSide:
         hashes = [bytes(h).hex() for h in request.block_hashes[first:first + count]]
         self._loads.append(Transfer(request.request_id, hashes,
                                     record.block_ids[first:first + count],
-                                    wait_seconds=record.wait_seconds))
+                                    wait_seconds=record.wait_seconds,
+                                    asynchronous=record.load_async))
         record.load_scheduled = True
 
     # -- prefill: what is stored ---------------------------------------------------------------

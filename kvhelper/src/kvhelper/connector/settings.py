@@ -20,9 +20,14 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class ConnectorSettings:
-    # Loads on a loader thread while the request waits in WAITING_FOR_REMOTE_KVS (true), or
-    # inside the scheduler step (false).
+    # Loads of the pages prefill stored for decode: on a loader thread while the request
+    # waits in WAITING_FOR_REMOTE_KVS (true), or inside the scheduler step (false).
     load_async: bool = True
+    # Loads of a prefill instance's own store hits (store_lookup), the same way. In the step by
+    # default: vLLM starts an asynchronous load after the step's forward and schedules the
+    # request two steps later, which costs prefill's TTFT more than the read itself, while
+    # decode's loads stay asynchronous so that its running sequences never wait for them.
+    lookup_load_async: bool = False
     # How values move: "direct" between a host cache and the store, "staging" through a host
     # buffer (device caches need it), "auto" picks by where the cache lives.
     transfer: Transfer = "auto"
@@ -47,10 +52,6 @@ class ConnectorSettings:
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
-        load_async = extra.get("load_async", True)
-        if not isinstance(load_async, bool):
-            raise SettingsError("kv_connector_extra_config.load_async must be true or false, "
-                                f"not {load_async!r}")
         transfer = extra.get("transfer", "auto")
         if transfer not in ("auto", "direct", "staging"):
             raise SettingsError("kv_connector_extra_config.transfer must be auto, direct or "
@@ -64,7 +65,8 @@ class ConnectorSettings:
             raise SettingsError("kv_connector_extra_config.store_tp_size must be a positive "
                                 f"integer, not {shards!r}")
         flags = {name: extra.get(name, default) for name, default in
-                 (("store_lookup", True), ("save_decode_cache", False), ("save_async", True))}
+                 (("load_async", True), ("lookup_load_async", False), ("store_lookup", True),
+                  ("save_decode_cache", False), ("save_async", True))}
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise SettingsError(f"kv_connector_extra_config.{name} must be true or false, "
@@ -73,7 +75,9 @@ class ConnectorSettings:
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not 0 <= wait <= 600:
             raise SettingsError("kv_connector_extra_config.store_wait_seconds must be a number "
                                 f"of seconds from 0 to 600, not {wait!r}")
-        return cls(load_async=load_async, transfer=transfer, staging_buffer_bytes=staging,
+        return cls(load_async=flags["load_async"],
+                   lookup_load_async=flags["lookup_load_async"], transfer=transfer,
+                   staging_buffer_bytes=staging,
                    store_tp_size=shards, store_lookup=flags["store_lookup"],
                    save_decode_cache=flags["save_decode_cache"], save_async=flags["save_async"],
                    store_wait_seconds=float(wait), raw=MappingProxyType(extra))

@@ -121,7 +121,7 @@ class WorkerSide:
             started = time.perf_counter()
             keys = self._keys(load.block_hashes)
             job = self._block_io.load_job(keys, load.block_ids)
-            if self.settings.load_async:
+            if load.asynchronous:
                 if self._loader is None:
                     self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvhelper-load")
                 self._loading[load.req_id] = self._loader.submit(self._read, load, keys, job,
@@ -212,7 +212,7 @@ class WorkerSide:
             self.stats.observe("store_wait_seconds", outcome.waited)
         log.info("request %s: loaded %d KV blocks (%d bytes) from the store in %.1f ms (%s)%s",
                  load.req_id, good, nbytes, outcome.seconds * 1000,
-                 "async" if self.settings.load_async else "in the step",
+                 "async" if load.asynchronous else "in the step",
                  f", {outcome.waited * 1000:.1f} ms of it waiting for prefill's store"
                  if outcome.waited else "")
 

@@ -30,7 +30,7 @@ from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
 from kvhelper.instances import Role
 from kvhelper.proxy.pool import Backend, Pool, Routing
 from kvhelper.proxy.store_routing import Prompt, Route, StoreRouter
-from kvhelper.transfer_params import REMOTE_DECODE
+from kvhelper.transfer_params import REMOTE_DECODE, STORED_HINT_KEY
 
 log = logging.getLogger("kvhelper.proxy")
 REQUEST_ID = "X-Request-Id"
@@ -102,14 +102,18 @@ def error_response(status: int, message: str, kind: str, request_id: str = "") -
                              status=status, headers=headers)
 
 
-def prefill_request(body: dict[str, Any]) -> dict[str, Any]:
-    """The copy of a request that prefill runs: one token, no streaming, KV kept for decode."""
+def prefill_request(body: dict[str, Any], stored_hint: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """The copy of a request that prefill runs: one token, no streaming, KV kept for decode
+    (and what the proxy's store lookup found, when it looked)."""
     prefill = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
     prefill["max_tokens"] = 1
     if "max_completion_tokens" in prefill:
         prefill["max_completion_tokens"] = 1
     prefill["stream"] = False
     prefill["kv_transfer_params"] = dict(REMOTE_DECODE)
+    if stored_hint is not None:
+        prefill["kv_transfer_params"][STORED_HINT_KEY] = stored_hint
     return prefill
 
 
@@ -351,9 +355,7 @@ class Proxy:
                     decode_body["kv_transfer_params"] = route.params
                 return await self._decode(request, route.fingerprint, "in the store",
                                           decode_body, headers)
-            prefilled = await self._prefill(
-                request.path, body, headers, decodable,
-                route.uncached_tokens if route is not None else 0)
+            prefilled = await self._prefill(request.path, body, headers, decodable, route)
             if prefilled is None:
                 return await self._decode_alone(request, body, headers, "no_compatible_prefill")
             prefill_backend, kv_params = prefilled
@@ -393,7 +395,8 @@ class Proxy:
                         "so no prompt of theirs can skip prefill", fingerprint)
 
     async def _prefill(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                       decodable: set[str], uncached_tokens: int) -> tuple[Backend, Any] | None:
+                       decodable: set[str], route: Route | None
+                       ) -> tuple[Backend, Any] | None:
         """Prefill on an instance that some healthy decode instance can pair with (no prefill
         is spent on a request no decode instance could take); an instance that fails before
         answering is given up for another, up to `prefill_attempts` in all. With store-aware
@@ -406,7 +409,7 @@ class Proxy:
             "prefill", self.config.prefill_attempts, headers[REQUEST_ID],
             lambda tried: self.pool.pick("prefill", exclude=tried, fingerprints=decodable,
                                          load=load),
-            lambda backend: self._prefill_on(backend, path, body, headers, uncached_tokens))
+            lambda backend: self._prefill_on(backend, path, body, headers, route))
         if done is not None:
             self._prefill_seconds.observe(time.perf_counter() - started)
         return done
@@ -438,14 +441,16 @@ class Proxy:
         return None
 
     async def _prefill_on(self, backend: Backend, path: str, body: dict[str, Any],
-                          headers: dict[str, str], uncached_tokens: int) -> Any:
+                          headers: dict[str, str], route: Route | None) -> Any:
         """One prefill attempt: decode's kv_transfer_params, or AttemptFailed when another
         instance could still serve the request, or the ProxyError to give the client."""
+        uncached_tokens = route.uncached_tokens if route is not None else 0
         backend.outstanding += 1
         backend.queued_tokens += uncached_tokens
+        hint = route.hint if route is not None else None
         try:
             async with self.session.post(f"{backend.url}{path}",
-                                         data=_encode_json(prefill_request(body)),
+                                         data=_encode_json(prefill_request(body, hint)),
                                          headers=headers,
                                          timeout=self._prefill_timeout) as response:
                 raw = await response.read()

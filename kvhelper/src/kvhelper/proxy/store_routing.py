@@ -7,7 +7,9 @@ prompt, hashes its blocks as vLLM does and asks the store how many leading block
   **skip_prefill**. The request goes straight to a decode instance with the transfer
   parameters that make it load the stored blocks.
 - Otherwise: **prefill**, on the prefill instance with the least expected work; the prefill
-  instance loads whatever prefix the store does hold (the connector's own lookup).
+  instance loads whatever prefix the store does hold. The proxy tells it what its lookup found
+  (`kvhelper_stored`), so the connector does not ask the store again inside vLLM's scheduler
+  (it does when its own hash of the last block asked differs, or its keys are another's).
 - Anything that keeps the proxy from knowing exactly (the tokenizer or vLLM's hashing not
   loaded, a request it cannot tokenize as vLLM would, no key space learned yet, the store not
   answering in time): **fallback**, today's route, counted by reason. A request never fails
@@ -59,6 +61,8 @@ class Route:
     # skip_prefill: the decode fingerprint to use and what to tell decode.
     fingerprint: str | None = None
     params: dict[str, Any] | None = None
+    # prefill: what the lookup found, for prefill's connector (transfer_params.STORED_HINT_KEY)
+    hint: dict[str, Any] | None = None
 
     @property
     def uncached_tokens(self) -> int:
@@ -203,7 +207,7 @@ class StoreRouter:
         load, or all but `local_prefill_tokens` of the prompt; prefill otherwise; fallback
         when the store cannot tell."""
         total = len(prompt.tokens)
-        best = Route("prefill", prompt_tokens=total)
+        best: Route | None = None
         for fingerprint in fingerprints:
             learned = self._learned[fingerprint]
             hasher = self._hasher(learned.hash_algorithm)
@@ -225,9 +229,11 @@ class StoreRouter:
                           if found else None)  # nothing stored: decode computes it all
                 return Route("skip_prefill", prompt_tokens=total, stored_tokens=stored,
                              fingerprint=fingerprint, params=params)
-            if stored > best.stored_tokens:
-                best = Route("prefill", prompt_tokens=total, stored_tokens=stored)
-        return best
+            if best is None or stored > best.stored_tokens:
+                hint = {"tokens": stored, "asked": usable, "last_hash": hashes[-1],
+                        "key_space": learned.key_space.to_json()}
+                best = Route("prefill", prompt_tokens=total, stored_tokens=stored, hint=hint)
+        return best or Route("prefill", prompt_tokens=total)
 
     async def _stored_blocks(self, space: KeySpace, hashes: list[str]) -> int | str | None:
         """Blocks found, None when the store failed, or the fallback reason."""
