@@ -96,7 +96,8 @@ def test_a_prefill_instance_reuses_a_prefix_another_instance_stored(
     # B loaded the shared prefix for Y, nothing for the salted Y (another tenant), and all of
     # X's pages for Z.
     block = BLOCK_SIZE[kind]
-    assert loaded_blocks(b_log) == [SHARED_PREFIX // block, WHOLE_BLOCKS // block], b_log[-3000:]
+    assert loaded_blocks(b_log, "in the step") == [SHARED_PREFIX // block, WHOLE_BLOCKS // block], \
+        b_log[-3000:]
     assert loaded_blocks(decode_log) == [(PROMPT_TOKENS - 1) // block] * 2
     y_single, z_single = single_instance(kind, model, tmp_path / "single")
     assert y_tokens == y_single
@@ -125,7 +126,7 @@ def test_a_second_turn_finds_its_whole_history_when_decode_saves(
     rng = random.Random(5)
     second = x + answer + [rng.randrange(3, 500) for _ in range(60)]
     b_params, b_log = prefill(tmp_path / "b", request("gqa", model, [second]), mooncake)
-    assert loaded_blocks(b_log) == [20], b_log[-3000:]  # without decode saving: 19
+    assert loaded_blocks(b_log, "in the step") == [20], b_log[-3000:]  # without decode saving: 19
     result, _ = run_engine(tmp_path / "decode2", "decode", {
         **request("gqa", model, [second]), "max_tokens": 8,
         "kv_transfer_config": connector_config("kv_consumer", mooncake),
