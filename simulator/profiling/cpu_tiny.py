@@ -202,6 +202,7 @@ def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float
         "engine_cache_tokens": 0,
         "startup_s": round(startup, 1),
         "store_lookup_s": 0.0005,
+        "shared_cores": True,
         "sources": {
             "prefill": f"{measured}: median of {REPEATS} requests straight to the prefill "
                        f"instance, max_tokens 1, prompts {PREFILL_LENGTHS}: "
@@ -231,6 +232,9 @@ def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float
             "store_capacity_bytes": "the example's globalSegmentSize (256 MiB) x 3 instances",
             "engine_prefix_cache": "vLLM's CPU build turns prefix caching off for MLA",
             "startup_s": f"{measured}: the 1P2D deployment's start, all processes",
+            "shared_cores": "the local deployment's engines all run on this machine's "
+                            f"{os.cpu_count()} cores, each using all of them (vLLM's CPU "
+                            "build); the figures above are each engine's alone",
         },
     }
     return profile

@@ -212,6 +212,40 @@ def test_prefill_reads_its_store_hits_at_the_store_loads_cost_not_the_hand_overs
         parse_profile(small_profile(store_load={"latency": 1}))
 
 
+def test_instances_sharing_the_cores_run_their_steps_slower_while_others_compute() -> None:
+    """Processor sharing (vLLM's CPU build, every engine on the same cores): a step takes the
+    number of instances computing when it starts (prefill) or at the batch's event (decode)
+    times as long; instances of their own (GPUs) never slow each other."""
+    loop = EventLoop()
+    busy = [1.0]
+    model = PrefillModel(base_s=0.005, per_token_s=1e-5)
+    prefill = PrefillInstance("p", model, loop, slowdown=lambda: busy[0])
+    done: list[float] = []
+    prefill.submit(PrefillJob(request(0, 0.0, 1000, 1), 0, done.append))
+    busy[0] = 2.0
+    prefill.submit(PrefillJob(request(1, 0.0, 1000, 1), 0, done.append))
+    loop.run()
+    alone = model.step_seconds(1000, 1000 * 500)
+    assert done == pytest.approx([alone, alone + 2 * model.step_seconds(1000, 1000 * 500)])
+    decode = DecodeInstance("d", DECODE, loop, time=loop.now, slowdown=lambda: busy[0])
+    first: list[float] = []
+    start = loop.now
+    decode.arrive(Sequence(request(2, start, 100, 1), first.append, lambda _: None))
+    loop.run()
+    assert first == pytest.approx([start + 2 * (DECODE.base_s + DECODE.per_sequence_s
+                                                 + DECODE.per_context_token_s * 100)])
+    profile = small_profile(engine_prefix_cache=False)
+    for shared in (False, True):
+        cluster = Cluster(parse_profile({**profile, "shared_cores": shared}), "least-loaded", 32)
+        cluster.add("prefill", 2)
+        cluster.add("decode", 1)
+        for ident in range(2):
+            cluster.submit(request(ident, 0.0, 1000, 1))
+        cluster.loop.run(until=0.001)
+        assert [p.busy for p in cluster.prefills] == [True, True]
+        assert [p.slowdown() for p in cluster.prefills] == [2.0 if shared else 1.0] * 2
+
+
 def test_a_small_store_evicts_and_reuses_less() -> None:
     requests = conversation_requests()
     roomy = parse_profile(small_profile(engine_prefix_cache=False))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from disagg_sim.cache import BlockCache
-from disagg_sim.engines import DecodeInstance, PrefillInstance, PrefillJob, Sequence
+from disagg_sim.engines import DecodeInstance, PrefillInstance, PrefillJob, Sequence, alone
 from disagg_sim.events import EventLoop
 from disagg_sim.profile import Profile
 from disagg_sim.trace import Request
@@ -89,14 +89,16 @@ class Cluster:
         if name in self._cancelled:  # taken back while starting; its cost ended then
             self._cancelled.discard(name)
             return
+        slowdown = self._busy_instances if self.profile.shared_cores else alone
         if role == "prefill":
-            self.prefills.append(PrefillInstance(name, self.profile.prefill, self.loop))
+            self.prefills.append(PrefillInstance(name, self.profile.prefill, self.loop,
+                                                 slowdown))
             if self.profile.engine_prefix_cache:
                 self._local[name] = BlockCache(self.profile.engine_cache_tokens
                                                // self.block_tokens)
         else:
             self.decodes.append(DecodeInstance(name, self.profile.decode, self.loop,
-                                               time=self.loop.now))
+                                               time=self.loop.now, slowdown=slowdown))
 
     def remove(self, role: str, count: int) -> None:
         """Take `count` instances of `role` away: ones still starting first (they never serve),
@@ -117,6 +119,11 @@ class Cluster:
             for instance in [i for i in pool if i.draining and i.idle]:
                 pool.remove(instance)  # type: ignore[arg-type]
                 self.instance_seconds[role] += self.loop.now - self._started.pop(instance.name)
+
+    def _busy_instances(self) -> float:
+        """Instances computing now (shared cores: each step's slowdown), at least one."""
+        return float(max(1, sum(p.busy for p in self.prefills)
+                         + sum(bool(d.running) for d in self.decodes)))
 
     def serving(self, role: str) -> int:
         pool = self.prefills if role == "prefill" else self.decodes

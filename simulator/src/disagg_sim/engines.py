@@ -6,6 +6,11 @@ at a step boundary when a slot and KV space are free, and each step gives every 
 sequence one token. Between events a decode batch is advanced in closed form: with B running
 sequences and C context tokens, k steps take `a*k + b*k*(k-1)/2` seconds (a = the step time
 now, b = the growth of the step time as every context grows by one token per step).
+
+Instances that share one machine's cores (vLLM's CPU build, every engine on the same few
+cores; `Profile.shared_cores`) run each step `slowdown()` times slower: the number of
+instances busy at once, each of which would use all the cores alone (processor sharing). A
+prefill step takes the factor when it starts, a decode batch at each of its events.
 """
 
 from __future__ import annotations
@@ -37,9 +42,15 @@ class PrefillJob:
         return self.request.prompt_tokens - self.cached_tokens
 
 
+def alone() -> float:
+    return 1.0
+
+
 class PrefillInstance:
-    def __init__(self, name: str, model: PrefillModel, loop: EventLoop) -> None:
+    def __init__(self, name: str, model: PrefillModel, loop: EventLoop,
+                 slowdown: Callable[[], float] = alone) -> None:
         self.name, self.model, self.loop = name, model, loop
+        self.slowdown = slowdown
         self.queue: deque[PrefillJob] = deque()
         self.queued_tokens = 0  # tokens still to compute, the step in progress included
         self.incoming_tokens = 0  # routed here, still loading cached blocks before the queue
@@ -82,8 +93,8 @@ class PrefillInstance:
             budget -= take
             if budget <= 0:
                 break
-        duration = self.model.step_seconds(tokens, token_context)
         self.busy = True
+        duration = self.model.step_seconds(tokens, token_context) * self.slowdown()
         self.busy_seconds += duration
         self.loop.at(self.loop.now + duration, lambda: self._finish_step(chunks))
 
@@ -124,6 +135,8 @@ class DecodeInstance:
     running: dict[int, Sequence] = field(default_factory=dict)
     waiting: deque[Sequence] = field(default_factory=deque)
     busy_seconds: float = 0.0
+    slowdown: Callable[[], float] = alone
+    _factor: float = 1.0  # slowdown() at the last event
     _finishing: list[tuple[int, int]] = field(default_factory=list)  # (finish step, id)
     _awaiting_first: list[Sequence] = field(default_factory=list)
     _version: int = 0
@@ -140,15 +153,16 @@ class DecodeInstance:
         self._sync(self.loop.now)
         self.waiting.append(sequence)
         self._admit()
+        self._factor = self.slowdown()
         self._schedule()
 
     # -- the batch in closed form ----------------------------------------------------------
 
     def _coefficients(self) -> tuple[float, float]:
         m = self.model
-        batch = len(self.running)
-        return (m.base_s + m.per_sequence_s * batch + m.per_context_token_s * self.context_tokens,
-                m.per_context_token_s * batch)
+        batch, f = len(self.running), self._factor
+        return (f * (m.base_s + m.per_sequence_s * batch + m.per_context_token_s
+                     * self.context_tokens), f * m.per_context_token_s * batch)
 
     def _duration(self, steps: int) -> float:
         a, b = self._coefficients()
@@ -229,4 +243,5 @@ class DecodeInstance:
             return
         self._sync(self.loop.now)
         self._admit()
+        self._factor = self.slowdown()
         self._schedule()

@@ -45,6 +45,9 @@ class Profile:
     engine_cache_tokens: int = 1_000_000  # what one prefill instance's cache holds
     startup_s: float = 60.0  # from scale-out to serving
     store_lookup_s: float = 0.0005  # the proxy's existence check
+    # Every instance shares one machine's cores and would use all of them alone (vLLM's CPU
+    # build on one machine): k instances busy at once each run k times slower.
+    shared_cores: bool = False
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict)
 
