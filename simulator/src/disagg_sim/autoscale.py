@@ -5,7 +5,7 @@ the profile's start-up delay) or drains them."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from disagg_operator.planner import Load, Planner, Recommendation, Replicas, Targets
@@ -76,14 +76,14 @@ def kv_demand_now(cluster: Cluster) -> float:
                for d in cluster.decodes)
 
 
-def sample_kv_demand(cluster: Cluster, until: float) -> list[float]:
-    """KV demand every SAMPLE_S from now until `until` (or until the cluster is idle), as a
-    metrics scrape would see it: the list fills while the cluster's loop runs."""
+def sample_kv_demand(cluster: Cluster, more: Callable[[], bool]) -> list[float]:
+    """KV demand every SAMPLE_S from now while `more()` says so after a sample, as a metrics
+    scrape would see it: the list fills while the cluster's loop runs."""
     samples: list[float] = []
 
     def sample() -> None:
         samples.append(kv_demand_now(cluster))
-        if cluster.loop.now + SAMPLE_S <= until:
+        if more():
             cluster.loop.at(cluster.loop.now + SAMPLE_S, sample)
 
     cluster.loop.at(cluster.loop.now + SAMPLE_S, sample)
@@ -100,12 +100,8 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
     last_arrival = max((r.arrival for r in requests), default=0.0)
     decisions: list[Decision] = []
     startup = cluster.profile.startup_s
-    samples: list[float] = []  # KV demand every SAMPLE_S, as a metrics scrape would see it
-
-    def sample() -> None:
-        samples.append(kv_demand_now(cluster))
-        if cluster.loop.now < last_arrival or any(o.finish is None for o in cluster.outcomes):
-            cluster.loop.at(cluster.loop.now + SAMPLE_S, sample)
+    samples = sample_kv_demand(cluster, lambda: cluster.loop.now < last_arrival or any(
+        o.finish is None for o in cluster.outcomes))
 
     def tick() -> None:
         now = cluster.loop.now
@@ -127,7 +123,6 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
             cluster.loop.at(now + interval_s, tick)
 
     cluster.loop.at(interval_s, tick)
-    cluster.loop.at(SAMPLE_S, sample)
     cluster.loop.run()
     cluster.finish_accounting()
     return summarise(cluster, initial.prefill, initial.decode, targets), decisions

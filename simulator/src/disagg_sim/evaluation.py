@@ -10,6 +10,7 @@ from disagg_operator.planner import Bounds, Planner, Replicas, Targets, recommen
 
 from disagg_sim.autoscale import (
     KV_QUANTILE,
+    SAMPLE_S,
     Decision,
     observe,
     sample_kv_demand,
@@ -73,7 +74,8 @@ def warm_start(profile: Profile, requests: Sequence[Request], policy: str, targe
     cluster.add("decode", bounds.decode_max)
     for request in pilot:
         cluster.submit(request)
-    samples = sample_kv_demand(cluster, interval_s)
+    samples = sample_kv_demand(cluster,
+                               lambda: cluster.loop.now + SAMPLE_S <= interval_s)
     cluster.loop.run()
     load = observe(cluster, 0.0, interval_s, raw_prompt,
                    percentile(samples, KV_QUANTILE) if samples else None)
