@@ -11,7 +11,7 @@ PYTHON_TOOLS ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python
 TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 
-.PHONY: run demo-operator test lint clean
+.PHONY: run demo-operator envs test lint clean
 
 # As root, servers started here live in a private network namespace (loopback only).
 ISOLATE := $(if $(filter 0,$(shell id -u)),unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"',)
@@ -57,7 +57,11 @@ run: $(SERVING_STAMP)
 demo-operator: $(STAMP)
 	$(VENV)/bin/disagg-emulator demo examples/deepseek-v2-lite-1p2d.yaml
 
-test: $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)
+# The three environments install side by side: their downloads and unpacking overlap.
+envs:
+	$(MAKE) -j3 $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)
+
+test: envs
 	$(VENV)/bin/python -m pytest tests --ignore=tests/serving
 	@# Mooncake listens on every interface: its tests run in a network namespace of their own.
 	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/serving'

@@ -1,8 +1,10 @@
 """Helpers for tests that run real vLLM engines (CPU build) with the kvhelper connector, one
-engine per process (`run_engine.py`), against a real mooncake_master."""
+engine per process (`run_engine.py`, forked from `engine_forker.py` after vLLM's imports),
+against a real mooncake_master."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -66,24 +68,57 @@ def store_service(work: Path) -> Iterator[StoreService]:
         service.stop()
 
 
+class EngineForker:
+    """One engine_forker.py process for the test session: each run_engine job is a process
+    forked from it after vLLM's imports, which are most of a tiny engine's start-up."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[str] | None = None
+
+    def run(self, argv: list[str], log: Path, env: dict[str, str], timeout: float) -> int:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, str(HERE / "engine_forker.py")], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, env={**os.environ, **FORKER_ENV})
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log), "env": env,
+                                             "timeout": timeout}) + "\n")
+        self.process.stdin.flush()
+        reply = self.process.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"engine_forker.py exited ({self.process.wait()}); "
+                               f"the job's log: {log}")
+        code: int = json.loads(reply)["code"]
+        return code
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process(self.process)
+            self.process = None
+
+
+# Read by vLLM when it is imported, so the same for every job the forker runs.
+FORKER_ENV = {"VLLM_LOGGING_LEVEL": "INFO", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+FORKER = EngineForker()
+atexit.register(FORKER.stop)
+
+
 def run_engine(tmp: Path, name: str, request: dict[str, Any],
                env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
-    """Run one engine on `request` (see run_engine.py); its result and its log."""
+    """Run one engine on `request` (see run_engine.py) in a process of its own; its result and
+    its log. Tensor-parallel engines start their workers as `python run_engine.py` does."""
     request_file, result_file, log = tmp / f"{name}.json", tmp / f"{name}.out", tmp / f"{name}.log"
     request_file.write_text(json.dumps(request))
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                 "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # see run_engine.py
+                **FORKER_ENV,  # VLLM_ENABLE_V1_MULTIPROCESSING=0: see run_engine.py
                 "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "HF_HUB_OFFLINE": "1",
-                "VLLM_LOGGING_LEVEL": "INFO",
                 # The test probe connector (checked_connector.py) is importable from here.
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
                                                             os.environ.get("PYTHONPATH")])),
                 **(env or {})}
-    with log.open("w") as out:
-        code = subprocess.run([sys.executable, str(HERE / "run_engine.py"), str(request_file),
-                               str(result_file)], stdout=out, stderr=subprocess.STDOUT,
-                              env=full_env, timeout=600).returncode
+    argv = [str(request_file), str(result_file)]
+    code = FORKER.run(argv, log, full_env, timeout=600)
     text = log.read_text()
     assert code == 0, text[-4000:]
     return json.loads(result_file.read_text()), text
