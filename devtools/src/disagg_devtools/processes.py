@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 20000  # above the fixed ports servers default to (Mooncake's among them)
+_handed_out: set[int] = set()
+
 
 def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port nobody listens on right now, below the kernel's ephemeral range: the
+    kernel never hands such a port to another process's outgoing connection or bind to port
+    0, so none can take it between this call and the bind that uses it. Never the same port
+    twice in one process."""
+    try:
+        ephemeral_low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    low = LOWEST_PORT if ephemeral_low - LOWEST_PORT >= 1000 else 1024
+    for _ in range(200):
+        port = random.randrange(low, ephemeral_low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {low}-{ephemeral_low - 1}")
 
 
 def stop_process(process: subprocess.Popen[Any] | None, grace: float = 10.0,
