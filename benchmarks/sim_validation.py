@@ -51,6 +51,8 @@ def main() -> None:
     cli.add_argument("--speedup", type=float, default=20.0)
     cli.add_argument("--max-tokens", type=int, default=8)
     cli.add_argument("--runs", type=int, default=1, help="real runs per stack")
+    cli.add_argument("--engine-threads", type=int, default=1,
+                     help="OpenMP threads per engine, unbound (0: vLLM's own binding)")
     cli.add_argument("--profile", default="measure",
                      help="`measure` (a profile measured before each run) or a profile name")
     args = cli.parse_args()
@@ -58,8 +60,10 @@ def main() -> None:
         os.environ["DISAGG_BENCH_NETNS"] = "1"
         os.execvp("unshare", ["unshare", "-n", "sh", "-c",
                               'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    from disagg_devtools.local.runner import share_cores
     from disagg_devtools.tiny_models import VOCAB
 
+    share_cores(args.engine_threads)  # for the profile's deployment and the replays alike
     block_tokens, max_blocks = 32, 24
     work = map_to_tokens(sample(TRACE, args.modulo, max_blocks, args.limit), block_tokens,
                          VOCAB, args.speedup)

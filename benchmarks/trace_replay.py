@@ -27,6 +27,9 @@ tokens, and prompts are capped at `--max-blocks` blocks, so the sharing structur
 Whole conversations are sampled (requests whose second hash id is 0 modulo `--modulo`, as
 ../shared/traces/README.md explains) and time is compressed `--speedup` times. Bounded: a
 fixed number of requests, each with a timeout. As root it runs in a private network namespace.
+
+Every engine runs one unbound OpenMP thread (`--engine-threads`, 0 for vLLM's own binding;
+disagg_devtools.local.runner.share_cores says why).
 """
 
 from __future__ import annotations
@@ -426,6 +429,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="replay every stack this many times, interleaved (the machine is "
                         "noisy), and end with each stack's median over the rounds")
+    parser.add_argument("--engine-threads", type=int, default=1,
+                        help="OpenMP threads per engine, unbound (0: vLLM's own binding)")
     parser.add_argument("--keep", type=Path, default=None,
                         help="keep each run's folder (logs of every process) under this folder")
     args = parser.parse_args()
@@ -433,6 +438,9 @@ def main() -> None:
         os.environ["DISAGG_BENCH_NETNS"] = "1"
         os.execvp("unshare", ["unshare", "-n", "sh", "-c",
                               'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    from disagg_devtools.local.runner import share_cores
+
+    share_cores(args.engine_threads)
     requests = sample(args.trace, args.modulo, args.max_blocks, args.limit)
     with contextlib.ExitStack() as cleanup:
         if args.keep is None:

@@ -160,11 +160,17 @@ def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--out", type=Path, required=True, help="the profile file to write")
+    cli.add_argument("--engine-threads", type=int, default=1,
+                     help="OpenMP threads per engine, unbound, as the replays run them (0: "
+                     "vLLM's own binding)")
     args = cli.parse_args()
     if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
         os.environ["DISAGG_BENCH_NETNS"] = "1"
         os.execvp("unshare", ["unshare", "-n", "sh", "-c",
                               'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    from disagg_devtools.local.runner import share_cores
+
+    share_cores(args.engine_threads)
     args.out.write_text(yaml.safe_dump(measure_profile(), sort_keys=False, width=100))
 
 
