@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 
-import run_engine  # noqa: F401  (this folder is on sys.path: the script's own)
+import run_engine  # this folder is on sys.path: the script's own
 from vllm import LLM, SamplingParams  # noqa: F401  (the imports every job would repeat)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-LOWEST_PORT = 20000  # above the fixed ports servers default to (Mooncake's among them)
+LOWEST_PORT = 20000  # clear of the well-known ports servers default to
 _handed_out: set[int] = set()
 
 
