@@ -8,6 +8,7 @@ import asyncio
 import json
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,27 +35,36 @@ PROMPT = " ".join(f"word{i}" for i in range(60))
 
 
 class FakeLookup:
-    """A test double of StoredPrefixLookup: the store holds `held` block hashes."""
+    """A test double of StoredPrefixLookup: the store holds `held` block hashes; `fail` makes
+    it answer with an error, `delay` makes it slow."""
 
     def __init__(self) -> None:
         self.held: set[str] = set()
         self.delay = 0.0
         self.fail = False
         self.paused = False
+        self.failures: list[BaseException] = []
         self.asked: list[tuple[KeySpace, list[str]]] = []
+        self._threads = ThreadPoolExecutor(8)
 
-    def stored_blocks(self, space: KeySpace, hashes: Sequence[str]) -> int | None:
+    def submit(self, space: KeySpace, hashes: Sequence[str]) -> Future[int]:
         self.asked.append((space, list(hashes)))
+        return self._threads.submit(self._found, list(hashes))
+
+    def _found(self, hashes: list[str]) -> int:
         time.sleep(self.delay)
         if self.fail:
-            return None
+            raise RuntimeError("the store failed")
         found = 0
         while found < len(hashes) and hashes[found] in self.held:
             found += 1
         return found
 
+    def failed(self, err: BaseException) -> None:
+        self.failures.append(err)
+
     def close(self) -> None:
-        pass
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture
@@ -173,6 +183,7 @@ async def test_a_store_that_fails_or_hangs_costs_no_request(tokenizer_source, ba
     lookup.held = set(hashes)
     lookup.fail = True
     assert (await post(f"{proxy}/v1/completions", body))[0] == 200
+    assert [str(err) for err in lookup.failures] == ["the store failed"]  # lookups pause
     lookup.fail, lookup.delay = False, 5.0  # hung: the proxy stops waiting after 0.2 s
     started = time.monotonic()
     results = await asyncio.gather(*(post(f"{proxy}/v1/completions", body) for _ in range(6)))

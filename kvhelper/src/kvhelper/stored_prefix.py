@@ -50,6 +50,10 @@ class KeySpace:
         return cls(fingerprint, shards)
 
 
+class LookupBusy(Exception):
+    """Every lookup worker still waits on the store."""
+
+
 class StoredPrefixLookup:
     def __init__(self, config: MooncakeConfig,
                  connect: Callable[[MooncakeConfig], MooncakeKVStore] = MooncakeKVStore,
@@ -62,8 +66,9 @@ class StoredPrefixLookup:
         # may ask at once: vLLM's scheduler asks one at a time, the proxy several.
         self._workers = workers
         self._worker = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kv-lookup")
-        self._pending: set[Future[list[bool]]] = set()
-        self._lock = threading.Lock()  # connecting and the pending set
+        self._pending: set[Future[int]] = set()
+        self._lock = threading.Lock()  # the pending set
+        self._connecting = threading.Lock()  # (held while connecting: never by a caller)
         self._config = replace(config, global_segment_size=0,
                                local_buffer_size=LOOKUP_BUFFER_BYTES)
         self._connect, self._clock = connect, clock
@@ -79,28 +84,49 @@ class StoredPrefixLookup:
     def stored_blocks(self, space: KeySpace, hashes: Sequence[str]) -> int | None:
         """How many of the blocks of `hashes` (hex), from the first, the store holds in full
         (every shard) under `space`; 0 while lookups pause, None when the store could not
-        answer."""
-        if not hashes or self.paused:
-            return 0
-        per_block = block_value_keys(space.fingerprint, hashes, space.shards)
-        keys = [key for keys in per_block for key in keys]
+        answer within the timeout."""
         try:
-            with self._lock:
-                self._pending = {f for f in self._pending if not f.done()}
-                if len(self._pending) >= self._workers:
-                    return None  # every worker still waits on the store: do not queue
-                if self._client is None:  # connecting checks the master answers
-                    self._client = self._connect(self._config)
-                pending = self._worker.submit(self._client.exists, keys, strict=True)
-                self._pending.add(pending)
-            found = pending.result(timeout=self._timeout)
-        except Exception as err:  # the store is out of reach or hung: compute, ask later
-            self._paused_until = self._clock() + self._pause
-            why = (f"no answer within {self._timeout:g} s" if isinstance(err, FutureTimeout)
-                   else str(err))
-            log.warning("looking up stored KV blocks failed (%s); computing prompts without "
-                        "the store for %.0f s", why, self._pause)
+            return self.submit(space, hashes).result(timeout=self._timeout)
+        except LookupBusy:
             return None
+        except Exception as err:
+            self.failed(err)
+            return None
+
+    def submit(self, space: KeySpace, hashes: Sequence[str]) -> Future[int]:
+        """`stored_blocks`' question, asked on a worker thread, for a caller that waits its own
+        way (the proxy's event loop: one thread hand-over, not two). The future holds the
+        blocks found, or why the store could not say (give it to `failed`). Done at once
+        with 0 for no hashes or while lookups pause; raises LookupBusy when every worker still
+        waits on the store (it does not queue)."""
+        if not hashes or self.paused:
+            done: Future[int] = Future()
+            done.set_result(0)
+            return done
+        per_block = block_value_keys(space.fingerprint, hashes, space.shards)
+        with self._lock:
+            self._pending = {f for f in self._pending if not f.done()}
+            if len(self._pending) >= self._workers:
+                raise LookupBusy
+            pending = self._worker.submit(self._ask, per_block)
+            self._pending.add(pending)
+        return pending
+
+    def failed(self, err: BaseException) -> None:
+        """A lookup could not be answered: the store is out of reach or hung. Prompts are
+        computed without it for a while."""
+        self._paused_until = self._clock() + self._pause
+        why = (f"no answer within {self._timeout:g} s" if isinstance(err, FutureTimeout)
+               else str(err) or type(err).__name__)
+        log.warning("looking up stored KV blocks failed (%s); computing prompts without the "
+                    "store for %.0f s", why, self._pause)
+
+    def _ask(self, per_block: list[list[str]]) -> int:
+        with self._connecting:
+            if self._client is None:  # connecting checks the master answers
+                self._client = self._connect(self._config)
+            client = self._client
+        found = client.exists([key for keys in per_block for key in keys], strict=True)
         width = len(per_block[0])
         blocks = 0
         while blocks < len(per_block) and all(found[blocks * width:(blocks + 1) * width]):

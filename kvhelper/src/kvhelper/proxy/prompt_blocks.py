@@ -33,6 +33,24 @@ class TokenizerSource:
     trust_remote_code: bool = False
 
 
+def token_ids(chat: bool, body: dict[str, Any]) -> list[int] | None:
+    """A completion's prompt given as token ids (vLLM takes them as they are), else None."""
+    if chat or any(body.get(name) not in (None, False) for name in UNSUPPORTED_FIELDS):
+        return None
+    prompt = _single(body.get("prompt"))
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    return None
+
+
+def _single(prompt: Any) -> Any:
+    """A batch of one prompt is that prompt."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    return prompt
+
+
 class PromptTokenizer:
     def __init__(self, source: TokenizerSource) -> None:
         from transformers import AutoTokenizer
@@ -47,12 +65,9 @@ class PromptTokenizer:
         return self._chat(body) if chat else self._completion(body)
 
     def _completion(self, body: dict[str, Any]) -> list[int]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]  # a batch of one
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)  # token ids, taken as they are
+        if (given := token_ids(False, body)) is not None:
+            return given
+        prompt = _single(body.get("prompt"))
         if not isinstance(prompt, str):
             raise Unsupported("prompt_batch")
         return list(self._tokenizer.encode(

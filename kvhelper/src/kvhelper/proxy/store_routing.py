@@ -28,7 +28,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,8 +36,9 @@ from kvhelper.proxy.prompt_blocks import (
     PromptTokenizer,
     TokenizerSource,
     Unsupported,
+    token_ids,
 )
-from kvhelper.stored_prefix import KeySpace, StoredPrefixLookup
+from kvhelper.stored_prefix import KeySpace, LookupBusy, StoredPrefixLookup
 from kvhelper.transfer_params import (
     IDENTITY_KEY,
     KEY_SPACE_KEY,
@@ -111,7 +111,6 @@ class StoreRouter:
         self._tokenizer: PromptTokenizer | None = None
         self._hashers: dict[str, BlockHasher | None] = {}
         self._learned: dict[str, Learned] = {}  # KV fingerprint -> what prefill told
-        self._threads = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="store-lookup")
         self._busy = 0
         self.ready = asyncio.Event()
         self.failed: str | None = None  # why it could not start
@@ -130,7 +129,6 @@ class StoreRouter:
                         self.failed)
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
         if self._lookup is not None:
             self._lookup.close()
 
@@ -194,7 +192,9 @@ class StoreRouter:
         if salt is not None and not isinstance(salt, str):
             return Route("fallback", "request_options")
         try:
-            tokens = await asyncio.to_thread(self._tokenizer.tokens, chat, body)
+            # Token ids need no tokenizer, so no thread either.
+            tokens = (given if (given := token_ids(chat, body)) is not None
+                      else await asyncio.to_thread(self._tokenizer.tokens, chat, body))
         except Unsupported as err:
             return Route("fallback", str(err))
         except Exception as err:  # a template that refuses these messages, ...
@@ -243,17 +243,26 @@ class StoreRouter:
             return "lookup_paused"  # it failed a moment ago
         if self._busy >= LOOKUP_THREADS:
             return "lookup_busy"  # every lookup thread waits on the store: do not queue
-        self._busy += 1
         started = time.perf_counter()
-        future = asyncio.get_running_loop().run_in_executor(
-            self._threads, lookup.stored_blocks, space, hashes)
+        try:
+            # Straight onto the lookup's worker thread: each thread hand-over can wait for a
+            # scheduler tick (4 ms measured) on a machine whose cores the engines keep busy.
+            future = asyncio.wrap_future(lookup.submit(space, hashes))
+        except LookupBusy:
+            return "lookup_busy"
+        self._busy += 1
         future.add_done_callback(self._lookup_done)
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.lookup_timeout)
         except TimeoutError:
             return "lookup_timeout"
+        except Exception:
+            return None  # _lookup_done pauses lookups
         finally:
             self._on_lookup(time.perf_counter() - started)
 
-    def _lookup_done(self, _: Any) -> None:
+    def _lookup_done(self, future: asyncio.Future[int]) -> None:
         self._busy -= 1
+        if not future.cancelled() and (err := future.exception()) is not None:
+            assert self._lookup is not None
+            self._lookup.failed(err)
