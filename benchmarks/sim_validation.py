@@ -4,8 +4,9 @@ Mooncake, etcd, proxy; benchmarks/trace_replay.py) and through the simulator wit
 `tiny-mla-cpu` profile that simulator/profiling/cpu_tiny.py measures right before each run's
 replays (this machine's speed drifts by up to 3x over minutes, so a profile taken at another
 time says little about these replays; `--profile tiny-mla-cpu` uses the shipped one).
-Printed per run: TTFT p50/p90 and the prefill-computed share, measured and simulated, per
-policy:
+Printed per run: TTFT p50/p90, the prefill-computed share and where a request's time goes at
+the proxy (mean store lookup / prefill / decode to the first token), measured and simulated,
+per policy:
 
 - `kvhelper` (store lookups and store-aware routing) <-> the simulator's `store-aware`;
 - `reuse-off` (no lookups, round-robin) <-> the simulator's `round-robin`.
@@ -31,14 +32,21 @@ sys.path.insert(0, str(ROOT / "simulator" / "profiling"))
 
 from cpu_tiny import measure_profile  # noqa: E402
 from disagg_sim.profile import Profile, load_profile, parse_profile  # noqa: E402
-from disagg_sim.simulate import simulate  # noqa: E402
+from disagg_sim.simulate import phase_means, simulate  # noqa: E402
 from disagg_sim.trace import (  # noqa: E402
     read_trace,
     sample_conversations,
     scaled_arrivals,
     to_requests,
 )
-from trace_replay import TRACE, map_to_tokens, percentile, run_stack, sample  # noqa: E402
+from trace_replay import (  # noqa: E402
+    TRACE,
+    map_to_tokens,
+    percentile,
+    phase_column,
+    run_stack,
+    sample,
+)
 
 STACKS = {"kvhelper": "store-aware", "reuse-off": "round-robin"}
 
@@ -82,17 +90,21 @@ def main() -> None:
             for stack, policy in STACKS.items():
                 measured = run_stack("mla", stack, 1, work,
                                      Path(scratch) / f"{stack}-{run}", args.max_tokens)
-                simulated, _ = simulate(profile, requests, policy, 1, 2)
+                simulated, cluster = simulate(profile, requests, policy, 1, 2)
+                sim_phases = phase_means(cluster.outcomes, profile.store_lookup_s
+                                         if policy == "store-aware" else 0.0)
                 p50 = statistics.median(measured.outcome.ttft)
                 print(f"{run:<5}{stack:<11}{policy:<13}{'measured':<11}{p50 * 1000:>7.0f}ms"
                       f"{percentile(measured.outcome.ttft, 0.9) * 1000:>7.0f}ms"
-                      f"{measured.computed_share:>10.3f}")
+                      f"{measured.computed_share:>10.3f}   phases {phase_column(measured.phases)}"
+                      f", skipped prefill {measured.routes.get('skip_prefill', 0):.0f}")
                 errors[stack].append(simulated.ttft_p50 / p50 - 1)
                 print(f"{'':<29}{'simulated':<11}{simulated.ttft_p50 * 1000:>7.0f}ms"
                       f"{simulated.ttft_p90 * 1000:>7.0f}ms{simulated.computed_share:>10.3f}"
                       f"   TTFT p50 {errors[stack][-1]:+.0%}, computed "
-                      f"{(simulated.computed_share - measured.computed_share) * 100:+.1f} pts",
-                      flush=True)
+                      f"{(simulated.computed_share - measured.computed_share) * 100:+.1f} pts"
+                      f"   phases {phase_column(sim_phases)}, skipped prefill "
+                      f"{simulated.skipped_prefill}", flush=True)
     for stack, errs in errors.items():
         print(f"{stack}: simulated TTFT p50 vs measured, each run: "
               f"{' '.join(f'{e:+.0%}' for e in errs)} (target within 25%)")

@@ -196,9 +196,11 @@ def test_prefill_reads_its_store_hits_at_the_store_loads_cost_not_the_hand_overs
     requests = [request(0, 0.0, 320, 2, tuple(range(10))),
                 request(1, 10.0, 384, 2, tuple(range(12)))]  # 10 stored blocks, 2 new
     slow_hand_over = {"bytes_per_token": 1000, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.5}
-    fallback = parse_profile(small_profile(transfer=slow_hand_over))
-    own = parse_profile(small_profile(transfer=slow_hand_over, store_load={
-        "bytes_per_token": 1000, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.001}))
+    fallback = parse_profile(small_profile(transfer=slow_hand_over, engine_prefix_cache=False))
+    own = parse_profile(small_profile(transfer=slow_hand_over, engine_prefix_cache=False,
+                                      store_load={"bytes_per_token": 1000,
+                                                  "bandwidth_bytes_per_s": 1e9,
+                                                  "latency_s": 0.001}))
     assert own.store_load_seconds(320) == pytest.approx(0.001 + 320e-6)
     assert fallback.store_load_seconds(320) == fallback.transfer.seconds(320)
     ttft = {}
@@ -210,6 +212,29 @@ def test_prefill_reads_its_store_hits_at_the_store_loads_cost_not_the_hand_overs
     assert ttft["fallback"] - ttft["own"] == pytest.approx(0.5 - 0.001, abs=1e-6)
     with pytest.raises(ValueError, match="store_load"):
         parse_profile(small_profile(store_load={"latency": 1}))
+
+
+def test_store_hits_are_read_in_the_step_that_computes_the_rest_unless_the_profile_says(
+        ) -> None:
+    """kvhelper's prefill reads its store hits inside the step (lookup_load_async: false): a
+    cold prompt in the same step waits for that read too. Read beside the compute, it does
+    not; and blocks the instance's own prefix cache holds are not read at all."""
+    stored = tuple(range(10))
+    requests = [request(0, 0.0, 320, 2, stored),
+                request(1, 10.0, 384, 2, (*stored, 10, 11)),  # 10 stored blocks, 2 new
+                request(2, 10.0, 64, 2, (50, 51))]  # cold, arrives with it
+    load = {"bytes_per_token": 1000, "bandwidth_bytes_per_s": 1e9, "latency_s": 0.2}
+    cold_ttft = {}
+    for in_step in (True, False):
+        profile = parse_profile(small_profile(engine_prefix_cache=False, store_load=load,
+                                              store_load_in_step=in_step))
+        _, cluster = simulate(profile, requests, "store-aware", 1, 1)
+        cold_ttft[in_step] = cluster.outcomes[2].ttft
+    assert cold_ttft[True] - cold_ttft[False] == pytest.approx(0.2 + 320e-6, abs=0.02)
+    own_cache = parse_profile(small_profile(store_load=load))  # the prefill's cache holds it
+    _, cluster = simulate(own_cache, requests, "store-aware", 1, 1)
+    assert cluster.outcomes[2].ttft < cold_ttft[True] - 0.15  # no read in its step
+    assert cluster.outcomes[1].computed_tokens == 64
 
 
 def test_instances_sharing_the_cores_run_their_steps_slower_while_others_compute() -> None:

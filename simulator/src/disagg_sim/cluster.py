@@ -37,6 +37,9 @@ class Outcome:
     computed_tokens: int = 0
     first_token: float | None = None
     finish: float | None = None
+    # The proxy's phases: sent to prefill (or straight to decode), prefill done.
+    sent: float | None = None
+    prefilled: float | None = None
 
     @property
     def ttft(self) -> float:
@@ -157,16 +160,17 @@ class Cluster:
             if usable and stored == usable and self._decodes():
                 outcome.route = "skip_prefill"
                 outcome.computed_tokens = request.prompt_tokens - stored * bt
+                outcome.sent = self.loop.now + lookup
                 load = self.profile.transfer.seconds(stored * bt)
                 self.loop.at(self.loop.now + lookup + load, lambda: self._to_decode(outcome))
                 return
-            cached = {p.name: max(stored, self._local_hits(p, request, touch=False))
-                      for p in prefills}
-            chosen = min(prefills, key=lambda p: p.expected_tokens
-                         + request.prompt_tokens - cached[p.name] * bt)
-            from_store = stored * bt
-            delay = lookup + self.profile.store_load_seconds(from_store) if stored else lookup
-            hits = cached[chosen.name]
+            local = {p.name: self._local_hits(p, request, touch=False) for p in prefills}
+            chosen = min(prefills, key=lambda p: p.expected_tokens + request.prompt_tokens
+                         - max(stored, local[p.name]) * bt)
+            hits = max(stored, local[chosen.name])
+            # Only the stored blocks past its own cache's hit are read from the store.
+            read = max(0, stored - local[chosen.name]) * bt
+            load = self.profile.store_load_seconds(read) if read else 0.0
             self._local_hits(chosen, request)  # a use, for its LRU order
         else:
             if self.policy == "round-robin":
@@ -178,12 +182,17 @@ class Cluster:
                 chosen = min(prefills, key=lambda p: self.overlap_weight * (
                     total - self._local_hits(p, request, touch=False)) + p.expected_tokens / bt)
             hits = self._local_hits(chosen, request)
-            delay = 0.0
+            lookup = load = 0.0
         outcome.route = "prefill"
         outcome.computed_tokens = request.prompt_tokens - hits * bt
+        outcome.sent = self.loop.now + lookup
         job = PrefillJob(request, hits * bt, lambda _t: self._prefilled(chosen, outcome))
+        if self.profile.store_load_in_step:
+            job.load_seconds = load  # the instance reads them in the step that computes it
+        else:
+            lookup += load  # read before it joins the queue, while the instance computes
         chosen.expect(job)
-        self.loop.at(self.loop.now + delay, lambda: chosen.submit(job))
+        self.loop.at(self.loop.now + lookup, lambda: chosen.submit(job))
 
     def _local_hits(self, instance: PrefillInstance, request: Request, touch: bool = True
                     ) -> int:
@@ -191,6 +200,7 @@ class Cluster:
         return cache.prefix_hits(request.block_keys, request.usable_blocks, touch) if cache else 0
 
     def _prefilled(self, instance: PrefillInstance, outcome: Outcome) -> None:
+        outcome.prefilled = self.loop.now
         keys = outcome.request.block_keys
         if (cache := self._local.get(instance.name)) is not None:
             cache.insert(keys)

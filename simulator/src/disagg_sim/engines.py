@@ -35,6 +35,7 @@ class PrefillJob:
     cached_tokens: int
     on_done: Callable[[float], None]
     done_tokens: int = 0
+    load_seconds: float = 0.0  # store reads in the step that first computes it
     expected: bool = False  # counted in the instance's incoming work until submitted
 
     @property
@@ -84,8 +85,10 @@ class PrefillInstance:
     def _start_step(self) -> None:
         budget = self.model.max_batched_tokens
         chunks: list[tuple[PrefillJob, int]] = []
-        tokens, token_context = 0, 0.0
+        tokens, token_context, loads = 0, 0.0, 0.0
         for job in self.queue:
+            if not job.done_tokens:
+                loads += job.load_seconds
             take = min(budget, job.computed_tokens - job.done_tokens)
             token_context += take * (job.cached_tokens + job.done_tokens + take / 2)
             chunks.append((job, take))
@@ -94,7 +97,7 @@ class PrefillInstance:
             if budget <= 0:
                 break
         self.busy = True
-        duration = self.model.step_seconds(tokens, token_context) * self.slowdown()
+        duration = (self.model.step_seconds(tokens, token_context) + loads) * self.slowdown()
         self.busy_seconds += duration
         self.loop.at(self.loop.now + duration, lambda: self._finish_step(chunks))
 

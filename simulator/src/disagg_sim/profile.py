@@ -45,6 +45,10 @@ class Profile:
     engine_cache_tokens: int = 1_000_000  # what one prefill instance's cache holds
     startup_s: float = 60.0  # from scale-out to serving
     store_lookup_s: float = 0.0005  # the proxy's existence check
+    # A prefill instance reads its store hits inside the step that computes the rest of the
+    # prompt (kvhelper's default, lookup_load_async: false), so the read lengthens that step
+    # for every prompt in it; false: before the prompt joins the queue, beside the compute.
+    store_load_in_step: bool = True
     # Every instance shares one machine's cores and would use all of them alone (vLLM's CPU
     # build on one machine): k instances busy at once each run k times slower.
     shared_cores: bool = False

@@ -93,6 +93,22 @@ def summarise(cluster: Cluster, prefills: int, decodes: int, targets: Targets | 
         cluster.loop.now)
 
 
+def phase_means(outcomes: Sequence[Outcome], lookup_s: float = 0.0) -> dict[str, float]:
+    """Mean seconds of each of the proxy's phases, as the proxy's histograms count them: the
+    store lookup (`lookup_s` per request that had one), prefill (sent to it until it answered)
+    and decode (sent to it until its first token)."""
+    prefill = [o.prefilled - o.sent for o in outcomes
+               if o.prefilled is not None and o.sent is not None]
+    decode = [o.first_token - (o.prefilled if o.prefilled is not None else o.sent)
+              for o in outcomes if o.first_token is not None and o.sent is not None]
+    means = {"lookup": lookup_s} if lookup_s else {}
+    if prefill:
+        means["prefill"] = statistics.fmean(prefill)
+    if decode:
+        means["decode"] = statistics.fmean(decode)
+    return means
+
+
 def window_attainment(outcomes: Sequence[Outcome], targets: Targets, window_s: float = 60.0
                       ) -> float:
     """The share of one-minute windows (by arrival) whose TTFT and ITL p90 meet the targets;
