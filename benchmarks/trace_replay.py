@@ -81,19 +81,30 @@ class Replay:
         prompt's full blocks after its longest prefix seen in an earlier prompt, and at least
         its last token (vLLM computes it), blocks being chained (a block is reusable only
         after the same whole prefix)."""
-        seen: set[tuple[int, ...]] = set()
-        computed = 0
+        return sum(len(prompt) - hit * self.block_tokens
+                   for prompt, (hit, _) in zip(self.prompts, self._hits(), strict=True))
+
+    def reuse_classes(self) -> list[str]:
+        """Per request, what an unbounded cluster-wide cache holds of its prompt: `whole` (every
+        block decode could load: a prompt that can skip prefill), `part` or `cold`."""
+        return ["cold" if not hit else "whole" if hit == usable else "part"
+                for hit, usable in self._hits()]
+
+    def _hits(self) -> list[tuple[int, int]]:
+        """Per prompt: its leading blocks seen in an earlier prompt, and the blocks usable."""
+        seen: set[int] = set()
+        hits = []
         for prompt in self.prompts:
             blocks = [tuple(prompt[i:i + self.block_tokens])
                       for i in range(0, len(prompt) - self.block_tokens + 1, self.block_tokens)]
             usable = (len(prompt) - 1) // self.block_tokens
-            prefixes = [tuple(blocks[:i + 1]) for i in range(len(blocks))]
+            prefixes = [hash(tuple(blocks[:i + 1])) for i in range(len(blocks))]
             hit = 0
-            while hit < usable and hash(prefixes[hit]) in seen:
+            while hit < usable and prefixes[hit] in seen:
                 hit += 1
-            computed += len(prompt) - hit * self.block_tokens
-            seen.update(hash(p) for p in prefixes)
-        return computed
+            hits.append((hit, usable))
+            seen.update(prefixes)
+        return hits
 
 
 def sample(trace: Path, modulo: int, max_blocks: int, limit: int) -> list[TraceRequest]:
@@ -141,6 +152,7 @@ class Outcome:
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     failed: int = 0
+    ttft_by_request: dict[int, float] = field(default_factory=dict)  # by index in the replay
 
 
 async def replay(url: str, model: str, work: Replay, max_tokens: int,
@@ -150,7 +162,8 @@ async def replay(url: str, model: str, work: Replay, max_tokens: int,
     limit = asyncio.Semaphore(concurrency)
     began = time.perf_counter()
 
-    async def one(session: aiohttp.ClientSession, prompt: list[int], at: float) -> None:
+    async def one(session: aiohttp.ClientSession, index: int, prompt: list[int], at: float
+                  ) -> None:
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - began)))
         async with limit:
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
@@ -173,11 +186,12 @@ async def replay(url: str, model: str, work: Replay, max_tokens: int,
                 outcome.failed += 1
                 return
             outcome.ttft.append(first - started)
+            outcome.ttft_by_request[index] = first - started
             outcome.e2e.append(time.perf_counter() - started)
 
     async with aiohttp.ClientSession() as session:
-        await asyncio.gather(*(one(session, p, t)
-                               for p, t in zip(work.prompts, work.arrivals, strict=True)))
+        await asyncio.gather(*(one(session, i, p, t) for i, (p, t) in
+                               enumerate(zip(work.prompts, work.arrivals, strict=True))))
     return outcome
 
 
@@ -389,6 +403,29 @@ def medians(rows: list[Row], rounds: int) -> str:
     return "\n".join(lines)
 
 
+def by_reuse(work: Replay, rows: list[Row]) -> str:
+    """TTFT p50 of each stack (every round's requests together) by what an unbounded
+    cluster-wide cache holds of the prompt: where reuse gains and where it costs."""
+    classes = work.reuse_classes()
+    names = ("whole", "part", "cold")
+    counts = {name: classes.count(name) for name in names}
+    lines = ["TTFT p50 by what the store could hold of the prompt: "
+             + ", ".join(f"{name} {counts[name]}" for name in names),
+             f"{'stack':<22}" + "".join(f"{name:>9}" for name in names)]
+    by_stack: dict[str, list[Row]] = {}
+    for row in rows:
+        by_stack.setdefault(row.stack, []).append(row)
+    for stack, group in by_stack.items():
+        cells = []
+        for name in names:
+            values = [t for r in group for i, t in r.outcome.ttft_by_request.items()
+                      if classes[i] == name]
+            cells.append(f"{statistics.median(values) * 1000:>7.0f}ms" if values else
+                         f"{'-':>9}")
+        lines.append(f"{stack:<22}" + "".join(cells))
+    return "\n".join(lines)
+
+
 def report(kind: str, work: Replay, rows: list[Row]) -> str:
     ideal = work.ideal_computed() / work.prompt_tokens
     lines = [f"tiny {kind.upper()} model: {len(work.prompts)} requests, "
@@ -467,6 +504,7 @@ def main() -> None:
     print(report(args.kind, work, rows))
     if args.rounds > 1:
         print(medians(rows, args.rounds))
+    print(by_reuse(work, [row for row in rows if row.outcome.ttft_by_request]))
 
 
 if __name__ == "__main__":
