@@ -200,6 +200,9 @@ if __name__ == "__main__":
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    from disagg_devtools.processes import exit_on_sigterm
+
+    exit_on_sigterm()  # stopped with kill: still stop what it started
     if not private_network():
         if os.geteuid() != 0:
             sys.exit("run as root (for `unshare -n`) or inside a private network namespace")

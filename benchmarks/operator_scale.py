@@ -24,7 +24,7 @@ from pathlib import Path
 import aiohttp
 from disagg_devtools.emulator.sandbox import Sandbox, sandbox
 from disagg_devtools.etcd_process import EtcdProcess
-from disagg_devtools.processes import free_port, stop_process
+from disagg_devtools.processes import exit_on_sigterm, free_port, stop_process
 from disagg_devtools.waiting import wait_for
 from disagg_operator.spec import GROUP, PLURAL, VERSION
 from prometheus_client.parser import text_string_to_metric_families
@@ -204,4 +204,5 @@ if __name__ == "__main__":
     parser.add_argument("--deadline", type=float, default=300.0,
                         help="Seconds allowed for each phase.")
     args = parser.parse_args()
+    exit_on_sigterm()  # stopped with kill: still stop what it started
     sys.exit(asyncio.run(main(args.count, args.deadline)))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 import aiohttp
-from disagg_devtools.processes import free_port
+from disagg_devtools.processes import exit_on_sigterm, free_port
 
 SCENARIOS = ("kill", "freeze")
 ROUTINGS = ("round-robin", "least-outstanding")
@@ -209,6 +209,7 @@ def main() -> None:
                         help="print what the client saw for each failed request")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    exit_on_sigterm()  # stopped with kill: still stop what it started
     if args.serve:
         serve_backend(args.serve, args.tokens, args.token_delay)
         return

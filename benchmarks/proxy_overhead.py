@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import aiohttp
 import msgspec
 from aiohttp import web
-from disagg_devtools.processes import free_port, stop_process
+from disagg_devtools.processes import exit_on_sigterm, free_port, stop_process
 
 PREFILL_ANSWER = {"choices": [{"index": 0, "text": "x"}],
                   "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "b",
@@ -234,6 +234,7 @@ if __name__ == "__main__":
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--serve-backend", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    exit_on_sigterm()  # stopped with kill: still stop what it started
     if args.serve_backend:
         serve_backend(args.serve_backend)
     else:

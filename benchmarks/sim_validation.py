@@ -64,6 +64,9 @@ def main() -> None:
     cli.add_argument("--profile", default="measure",
                      help="`measure` (a profile measured before each run) or a profile name")
     args = cli.parse_args()
+    from disagg_devtools.processes import exit_on_sigterm
+
+    exit_on_sigterm()  # stopped with kill: still stop what it started
     if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
         os.environ["DISAGG_BENCH_NETNS"] = "1"
         os.execvp("unshare", ["unshare", "-n", "sh", "-c",

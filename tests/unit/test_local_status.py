@@ -3,6 +3,7 @@ real processes (a sleeper, and one that fails with a message), no vLLM."""
 
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,45 @@ async def test_status_up_and_down_name_the_process_that_died(deployment) -> None
     result = CliRunner().invoke(local, ["down", "--run-dir", str(folder.root)])
     assert "already gone: tiny-decode-1 exited with code 3" in result.output
     assert "stopped 1 processes" in result.output or "stopped tiny-proxy" in result.output
+
+
+def test_down_stops_a_process_that_outlives_its_wrapper(tmp_path: Path) -> None:
+    """vLLM's server can hang in its shutdown after SIGTERM. Its wrapper shell dies of the
+    same SIGTERM, and `local down` only watched the wrapper, so it never sent the SIGKILL and
+    the server ran on after the deployment was gone (a killed replay left one behind)."""
+    import os
+    import signal
+
+    from disagg_devtools.local.runner import stop_recorded
+
+    def running(pid: int) -> bool:  # an unreaped zombie has ended
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-gqa-1p2d.yaml").read_text())
+    folder = RunFolder(tmp_path / "run")
+    folder.logs.mkdir(parents=True)
+    deployment = LocalDeployment("tiny", parse_spec(doc["spec"]), folder, echo=lambda _: None)
+    state: dict[str, object] = {"name": "tiny", "pids": {}}
+    pid_file = tmp_path / "server.pid"
+    stubborn = ("import os, signal, sys, time\n"
+                "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+                "time.sleep(120)\n")
+    deployment._start(LocalProcess("tiny-decode-0", "decode", (sys.executable, "-c", stubborn)),
+                      {}, state)
+    deadline = time.monotonic() + 10
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    server = int(pid_file.read_text())
+    stop_recorded(folder, lambda _: None, grace=1.0)
+    deadline = time.monotonic() + 5
+    while running(server):
+        if time.monotonic() > deadline:
+            os.kill(server, signal.SIGKILL)
+            pytest.fail("the server outlived `local down`")
+        time.sleep(0.05)

@@ -36,3 +36,28 @@ def test_engines_sharing_cores_get_unbound_threads_unless_asked_for_vllms_bindin
     share_cores(1)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_benchmark_stopped_with_sigterm_still_stops_what_it_started() -> None:
+    """A replay killed with SIGTERM (`kill`, a timeout) left its whole local deployment running:
+    Python's default SIGTERM ends the process without running `finally`, where the benchmark
+    stops the deployment. With exit_on_sigterm, SIGTERM ends it through `finally`."""
+    import signal
+    import subprocess
+    import sys
+
+    script = ("import time\n"
+              "from disagg_devtools.processes import exit_on_sigterm\n"
+              "exit_on_sigterm()\n"
+              "try:\n"
+              "    print('ready', flush=True)\n"
+              "    time.sleep(30)\n"
+              "finally:\n"
+              "    print('stopped what it started', flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    assert child.stdout.readline() == "ready\n"
+    child.send_signal(signal.SIGTERM)
+    out, _ = child.communicate(timeout=10)
+    assert out == "stopped what it started\n"
+    assert child.returncode == 128 + signal.SIGTERM

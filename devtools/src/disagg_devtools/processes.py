@@ -38,6 +38,18 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in {low}-{ephemeral_low - 1}")
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM end this process through its `finally` blocks and context managers (exit
+    status 143), as Ctrl-C does: a benchmark stopped with `kill` or a timeout then stops the
+    deployment it started instead of leaving every process of it running. Python's default
+    ends the process on the spot."""
+    def leave(signum: int, _frame: object) -> None:
+        signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends it at once
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+
+
 def stop_process(process: subprocess.Popen[Any] | None, grace: float = 10.0,
                  first: signal.Signals = signal.SIGTERM) -> None:
     """Signal `first`, wait up to `grace` seconds, then kill. A process already gone is fine."""

@@ -521,11 +521,11 @@ def stop_recorded(folder: RunFolder, echo: Echo, grace: float = 15.0) -> int:
     for name in order:
         _signal_group(live[name], signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while any(_alive(live[n]) for n in order) and time.monotonic() < deadline:
+    while any(_group_alive(live[n]) for n in order) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.1)
     for name in order:
-        if _alive(live[name]):
+        if _group_alive(live[name]):
             echo(f"  {name} did not stop in {grace:g}s; killing it")
             _signal_group(live[name], signal.SIGKILL)
     _reap()
@@ -577,12 +577,36 @@ def _stop_group(pid: int, grace: float) -> None:
     """SIGTERM a process group, SIGKILL it if it is still there after `grace` seconds."""
     _signal_group(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while _alive(pid) and time.monotonic() < deadline:
+    while _group_alive(pid) and time.monotonic() < deadline:
         _reap()
         time.sleep(0.1)
-    if _alive(pid):
+    if _group_alive(pid):
         _signal_group(pid, signal.SIGKILL)
     _reap()
+
+
+def _group_alive(leader: int) -> bool:
+    """Whether any process of the group that `leader` started still runs. The leader is the
+    exit-recording shell, which SIGTERM ends at once while the program under it may still be
+    shutting down (or hang doing so: vLLM's server can)."""
+    if _alive(leader) and not _zombie(leader):
+        return True
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'.
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):
+            continue  # it ended while we looked
+        if int(group) == leader and state != "Z":
+            return True
+    return False
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
