@@ -41,6 +41,7 @@ from disagg_sim.trace import (  # noqa: E402
 )
 from trace_replay import (  # noqa: E402
     TRACE,
+    engine_block_tokens,
     map_to_tokens,
     percentile,
     phase_column,
@@ -76,11 +77,12 @@ def main() -> None:
 
     share_cores(args.engine_threads)  # for the profile's deployment and the replays alike
     block_tokens, max_blocks = 32, 24
+    cache_block = engine_block_tokens("mla", block_tokens)
     work = map_to_tokens(sample(TRACE, args.modulo, max_blocks, args.limit), block_tokens,
-                         VOCAB, args.speedup)
+                         VOCAB, args.speedup, cache_block=cache_block)
     rows = sample_conversations(read_trace(TRACE), args.modulo, args.limit)
     requests = to_requests(rows, block_tokens, max_blocks, args.max_tokens,
-                           scaled_arrivals(rows, args.speedup))
+                           scaled_arrivals(rows, args.speedup), cache_block=cache_block)
     assert sum(r.prompt_tokens for r in requests) == work.prompt_tokens, "replays differ"
     print(f"{len(requests)} requests, {work.prompt_tokens} prompt tokens, speedup "
           f"{args.speedup:g}; simulator profile: {args.profile}")

@@ -65,12 +65,24 @@ class TraceRequest:
     input_length: int
 
 
+# vLLM's CPU build overrides an MLA model's block size ("CPU MLA backend requires
+# block_size=16"): the tiny MLA engines cache, hash and store 16-token blocks, though the
+# examples ask for 32. What a prefix cache can reuse is counted in the engine's blocks.
+CPU_ENGINE_BLOCK_TOKENS = {"mla": 16}
+
+
+def engine_block_tokens(kind: str, block_tokens: int) -> int:
+    """The block size the tiny `kind` engines really use on this CPU build."""
+    return min(block_tokens, CPU_ENGINE_BLOCK_TOKENS.get(kind, block_tokens))
+
+
 @dataclass(frozen=True)
 class Replay:
     """Requests mapped onto a tiny model: prompt token ids and arrival times."""
     prompts: list[list[int]]
     arrivals: list[float]
-    block_tokens: int
+    block_tokens: int  # tokens per trace hash id
+    cache_block: int = 0  # tokens per engine cache block (0: block_tokens)
 
     @property
     def prompt_tokens(self) -> int:
@@ -81,7 +93,7 @@ class Replay:
         prompt's full blocks after its longest prefix seen in an earlier prompt, and at least
         its last token (vLLM computes it), blocks being chained (a block is reusable only
         after the same whole prefix)."""
-        return sum(len(prompt) - hit * self.block_tokens
+        return sum(len(prompt) - hit * self.engine_block
                    for prompt, (hit, _) in zip(self.prompts, self._hits(), strict=True))
 
     def reuse_classes(self) -> list[str]:
@@ -90,14 +102,19 @@ class Replay:
         return ["cold" if not hit else "whole" if hit == usable else "part"
                 for hit, usable in self._hits()]
 
+    @property
+    def engine_block(self) -> int:
+        return self.cache_block or self.block_tokens
+
     def _hits(self) -> list[tuple[int, int]]:
-        """Per prompt: its leading blocks seen in an earlier prompt, and the blocks usable."""
+        """Per prompt: its leading engine blocks seen in an earlier prompt, and the blocks
+        usable."""
+        size = self.engine_block
         seen: set[int] = set()
         hits = []
         for prompt in self.prompts:
-            blocks = [tuple(prompt[i:i + self.block_tokens])
-                      for i in range(0, len(prompt) - self.block_tokens + 1, self.block_tokens)]
-            usable = (len(prompt) - 1) // self.block_tokens
+            blocks = [tuple(prompt[i:i + size]) for i in range(0, len(prompt) - size + 1, size)]
+            usable = (len(prompt) - 1) // size
             prefixes = [hash(tuple(blocks[:i + 1])) for i in range(len(blocks))]
             hit = 0
             while hit < usable and prefixes[hit] in seen:
@@ -125,8 +142,9 @@ def sample(trace: Path, modulo: int, max_blocks: int, limit: int) -> list[TraceR
 
 
 def map_to_tokens(requests: list[TraceRequest], block_tokens: int, vocab: int,
-                  speedup: float, seed: int = 0) -> Replay:
-    """Each hash id -> one fixed block of token ids; a partial last block keeps its share."""
+                  speedup: float, seed: int = 0, cache_block: int = 0) -> Replay:
+    """Each hash id -> one fixed block of token ids; a partial last block keeps its share.
+    `cache_block`: the engines' block size, when smaller than `block_tokens`."""
     blocks: dict[int, list[int]] = {}
 
     def block(hash_id: int) -> list[int]:
@@ -144,7 +162,8 @@ def map_to_tokens(requests: list[TraceRequest], block_tokens: int, vocab: int,
             tokens += block(hash_id)[:share]
         prompts.append(tokens)
     start = requests[0].arrival if requests else 0.0
-    return Replay(prompts, [(r.arrival - start) / speedup for r in requests], block_tokens)
+    return Replay(prompts, [(r.arrival - start) / speedup for r in requests], block_tokens,
+                  cache_block)
 
 
 @dataclass
@@ -429,7 +448,8 @@ def by_reuse(work: Replay, rows: list[Row]) -> str:
 def report(kind: str, work: Replay, rows: list[Row]) -> str:
     ideal = work.ideal_computed() / work.prompt_tokens
     lines = [f"tiny {kind.upper()} model: {len(work.prompts)} requests, "
-             f"{work.prompt_tokens} prompt tokens; ideal computed share {ideal:.3f}",
+             f"{work.prompt_tokens} prompt tokens; ideal computed share {ideal:.3f} "
+             f"({work.engine_block}-token engine blocks)",
              f"{'stack':<22}{'computed':>9}{'vs ideal':>9}{'all inst':>9}"
              f"{'TTFT p50':>10}{'p90':>8}{'e2e p50':>9}{'failed':>7}{'keys':>7}"
              f"{'MiB':>7}{'lookup/prefill/decode':>23}  routes"]
@@ -491,7 +511,8 @@ def main() -> None:
             root.mkdir(parents=True, exist_ok=True)
         from disagg_devtools.tiny_models import VOCAB
 
-        work = map_to_tokens(requests, args.block_tokens, VOCAB, args.speedup)
+        work = map_to_tokens(requests, args.block_tokens, VOCAB, args.speedup,
+                             cache_block=engine_block_tokens(args.kind, args.block_tokens))
         rows = []
         for round_ in range(args.rounds):
             folder = root / f"round{round_ + 1}" if args.rounds > 1 else root

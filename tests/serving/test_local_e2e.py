@@ -369,7 +369,8 @@ def test_a_small_trace_replay_computes_what_the_store_cannot_serve(served) -> No
     bench = _load_benchmark("trace_replay")
     from disagg_devtools.tiny_models import VOCAB
 
-    work = bench.map_to_tokens(bench.sample(bench.TRACE, 200, 24, 30), 32, VOCAB, 120.0)
+    work = bench.map_to_tokens(bench.sample(bench.TRACE, 200, 24, 30), 32, VOCAB, 120.0,
+                               cache_block=bench.engine_block_tokens(served.kind, 32))
     prefills = [f"http://127.0.0.1:{item.spec.port}" for item in served.deployment.started
                 if item.spec.role == "prefill" and item.spec.port]
     tail = "disagg_proxy_skip_prefill_computed_tokens_total"

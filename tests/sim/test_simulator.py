@@ -128,6 +128,22 @@ def test_trace_blocks_become_chained_keys_and_partial_blocks_are_not_reusable() 
     assert [r.arrival for r in (first, second, third)] == [0, 1, 2]
 
 
+def test_engines_with_smaller_cache_blocks_reuse_what_a_partial_trace_block_shares() -> None:
+    """vLLM's CPU build caches an MLA model in 16-token blocks while the replay maps each trace
+    block to 32 tokens: a prompt ending in part of a trace block shares that part's first
+    16-token blocks with a prompt that holds the whole trace block after the same prefix."""
+    rows = [TraceRow(0, 1024, 5, (7, 8)), TraceRow(1000, 1024 + 300, 5, (7, 8, 9)),
+            TraceRow(2000, 1536, 5, (7, 8, 9))]
+    whole, partial, longer = to_requests(rows, block_tokens=32, cache_block=16)
+    assert partial.prompt_tokens == 64 + round(300 / 512 * 32)  # 19 tokens of block 9
+    assert len(whole.block_keys) == 4 and partial.block_keys[:4] == whole.block_keys
+    assert len(partial.block_keys) == 5 and longer.block_keys[:5] == partial.block_keys
+    assert partial.usable_blocks == 5 and partial.block_tokens == 16
+    assert len(to_requests(rows, block_tokens=32)[1].block_keys) == 2  # 32: not reusable
+    with pytest.raises(ValueError, match="divide"):
+        to_requests(rows, block_tokens=32, cache_block=12)
+
+
 def test_rate_steps_repeat_or_thin_whole_conversations_and_keep_the_timeline() -> None:
     rows = [TraceRow(1000.0 * t, 1024, 5, (0, conversation, 100 * conversation + t))
             for t in range(30) for conversation in range(1, 41)]

@@ -60,10 +60,17 @@ def sample_conversations(rows: Iterable[TraceRow], modulo: int, limit: int | Non
 
 def to_requests(rows: Sequence[TraceRow], block_tokens: int = TRACE_BLOCK,
                 max_blocks: int | None = None, output_tokens: int | None = None,
-                arrivals: Sequence[float] | None = None) -> list[Request]:
+                arrivals: Sequence[float] | None = None, cache_block: int | None = None
+                ) -> list[Request]:
     """Each trace block becomes `block_tokens` tokens (a partial last block keeps its share,
     as the replay benchmark maps them); `max_blocks` caps prompts; `output_tokens` replaces
-    the recorded output lengths; `arrivals` replaces the recorded times (see `warp`)."""
+    the recorded output lengths; `arrivals` replaces the recorded times (see `warp`).
+    `cache_block`, a divisor of `block_tokens`: the engines cache that many tokens a block
+    (vLLM's CPU build uses 16 for MLA models), so a trace block is several cache blocks, and
+    a partial one holds those its share covers (the first tokens of the same trace block)."""
+    size = cache_block or block_tokens
+    if block_tokens % size:
+        raise ValueError(f"cache_block {size} must divide block_tokens {block_tokens}")
     requests = []
     start = rows[0].timestamp_ms / 1000 if rows else 0.0
     for index, row in enumerate(rows):
@@ -76,13 +83,15 @@ def to_requests(rows: Sequence[TraceRow], block_tokens: int = TRACE_BLOCK,
             covered = min(TRACE_BLOCK, length - position * TRACE_BLOCK)
             share = max(1, round(covered / TRACE_BLOCK * block_tokens))
             tokens += share
-            key = hash((key, hash_id))
-            if share == block_tokens:
+            for part in range(share // size):
+                key = hash((key, hash_id, part))
                 keys.append(key)
+            if share % size:
+                break  # what follows a partial block is never a full one after it
         arrival = arrivals[index] if arrivals is not None else row.timestamp_ms / 1000 - start
         requests.append(Request(index, arrival, max(tokens, 1),
                                 max(1, output_tokens or row.output_length), tuple(keys),
-                                block_tokens))
+                                size))
     return requests
 
 
