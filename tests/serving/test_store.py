@@ -116,11 +116,19 @@ def test_a_hung_master_costs_a_lookup_its_timeout_not_the_scheduler(tmp_path: Pa
         assert master.process is not None
         os.kill(master.process.pid, signal.SIGSTOP)
         try:
-            started = time.monotonic()
-            # (Keys not asked before: Mooncake's client caches recent answers.)
-            assert lookup.stored_blocks(space, ["cc", "dd"]) is None  # gave up
-            waited = time.monotonic() - started
-            assert waited < 1.5, waited
+            # Keys not asked before: Mooncake's client caches recent answers, and once (in a
+            # CI run) it answered fresh keys too while the master was stopped. Every lookup
+            # must end within its timeout either way, and one that reaches the master gives up.
+            for attempt in range(5):
+                started = time.monotonic()
+                found = lookup.stored_blocks(space, [f"cc{attempt}", f"dd{attempt}"])
+                waited = time.monotonic() - started
+                assert waited < 1.5, waited
+                if found is None:
+                    break  # gave up
+                assert found == 0
+            else:
+                pytest.fail("no lookup reached the stopped master")
             started = time.monotonic()
             assert lookup.stored_blocks(space, ["ee"]) == 0  # paused: no second wait
             assert time.monotonic() - started < 0.1
