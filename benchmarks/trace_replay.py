@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import statistics
@@ -88,13 +89,17 @@ class Replay:
     def prompt_tokens(self) -> int:
         return sum(map(len, self.prompts))
 
-    def ideal_computed(self) -> int:
+    def ideal_computed(self, timing: Outcome | None = None) -> int:
         """Prompt tokens an unbounded cluster-wide prefix cache would still compute: each
         prompt's full blocks after its longest prefix seen in an earlier prompt, and at least
         its last token (vLLM computes it), blocks being chained (a block is reusable only
-        after the same whole prefix)."""
+        after the same whole prefix).
+
+        With the `timing` of a replay, an earlier prompt's blocks count only once its first
+        token came back before this prompt was sent: time compressed by the replay's speedup
+        sends a conversation's next turn while the stack may still be computing the last."""
         return sum(len(prompt) - hit * self.engine_block
-                   for prompt, (hit, _) in zip(self.prompts, self._hits(), strict=True))
+                   for prompt, (hit, _) in zip(self.prompts, self._hits(timing), strict=True))
 
     def reuse_classes(self) -> list[str]:
         """Per request, what an unbounded cluster-wide cache holds of its prompt: `whole` (every
@@ -106,21 +111,24 @@ class Replay:
     def engine_block(self) -> int:
         return self.cache_block or self.block_tokens
 
-    def _hits(self) -> list[tuple[int, int]]:
-        """Per prompt: its leading engine blocks seen in an earlier prompt, and the blocks
-        usable."""
+    def _hits(self, timing: Outcome | None = None) -> list[tuple[int, int]]:
+        """Per prompt: its leading engine blocks seen in an earlier prompt (with `timing`:
+        stored before it was sent), and the blocks usable."""
         size = self.engine_block
-        seen: set[int] = set()
+        stored_at: dict[int, float] = {}  # prefix -> when the first prompt holding it was done
         hits = []
-        for prompt in self.prompts:
+        for index, prompt in enumerate(self.prompts):
             blocks = [tuple(prompt[i:i + size]) for i in range(0, len(prompt) - size + 1, size)]
             usable = (len(prompt) - 1) // size
             prefixes = [hash(tuple(blocks[:i + 1])) for i in range(len(blocks))]
+            sent = timing.sent_at.get(index, math.inf) if timing else math.inf
             hit = 0
-            while hit < usable and prefixes[hit] in seen:
+            while hit < usable and stored_at.get(prefixes[hit], math.inf) < sent:
                 hit += 1
             hits.append((hit, usable))
-            seen.update(prefixes)
+            done = timing.first_at.get(index, math.inf) if timing else -math.inf
+            for prefix in prefixes:
+                stored_at[prefix] = min(stored_at.get(prefix, math.inf), done)
         return hits
 
 
@@ -172,6 +180,8 @@ class Outcome:
     e2e: list[float] = field(default_factory=list)
     failed: int = 0
     ttft_by_request: dict[int, float] = field(default_factory=dict)  # by index in the replay
+    sent_at: dict[int, float] = field(default_factory=dict)  # seconds from the replay's start
+    first_at: dict[int, float] = field(default_factory=dict)  # first token, same clock
 
 
 async def replay(url: str, model: str, work: Replay, max_tokens: int,
@@ -188,6 +198,7 @@ async def replay(url: str, model: str, work: Replay, max_tokens: int,
             body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
                     "temperature": 0, "stream": True, "ignore_eos": True}
             started = time.perf_counter()
+            outcome.sent_at[index] = started - began
             first = 0.0
             try:
                 async with session.post(f"{url}/v1/completions", json=body,
@@ -206,6 +217,7 @@ async def replay(url: str, model: str, work: Replay, max_tokens: int,
                 return
             outcome.ttft.append(first - started)
             outcome.ttft_by_request[index] = first - started
+            outcome.first_at[index] = first - began
             outcome.e2e.append(time.perf_counter() - started)
 
     async with aiohttp.ClientSession() as session:
@@ -450,14 +462,16 @@ def report(kind: str, work: Replay, rows: list[Row]) -> str:
     lines = [f"tiny {kind.upper()} model: {len(work.prompts)} requests, "
              f"{work.prompt_tokens} prompt tokens; ideal computed share {ideal:.3f} "
              f"({work.engine_block}-token engine blocks)",
-             f"{'stack':<22}{'computed':>9}{'vs ideal':>9}{'all inst':>9}"
+             "timed: the ideal when a prompt reuses only what came back before it was sent",
+             f"{'stack':<22}{'computed':>9}{'vs ideal':>9}{'timed':>7}{'all inst':>9}"
              f"{'TTFT p50':>10}{'p90':>8}{'e2e p50':>9}{'failed':>7}{'keys':>7}"
              f"{'MiB':>7}{'lookup/prefill/decode':>23}  routes"]
     for row in rows:
         out = row.outcome
         lines.append(
             f"{row.stack:<22}{row.computed_share:>9.3f}{row.computed_share - ideal:>+9.3f}"
-            f"{row.all_share:>9.3f}{statistics.median(out.ttft or [0]) * 1000:>8.0f}ms"
+            f"{work.ideal_computed(out) / work.prompt_tokens:>7.3f}{row.all_share:>9.3f}"
+            f"{statistics.median(out.ttft or [0]) * 1000:>8.0f}ms"
             f"{percentile(out.ttft, 0.9) * 1000:>6.0f}ms"
             f"{statistics.median(out.e2e or [0]) * 1000:>7.0f}ms{out.failed:>7}"
             f"{row.store[0]:>7.0f}{row.store[1] / 2**20:>7.1f}"

@@ -365,7 +365,9 @@ def test_a_small_trace_replay_computes_what_the_store_cannot_serve(served) -> No
     """30 requests of whole conversations from the Mooncake trace (benchmarks/trace_replay.py,
     which runs the long replay against the other stacks outside CI): the prompt tokens the
     deployment computes (prefill's, and decode's tail of requests that skipped prefill) are
-    within 5 points of the ideal of a cluster-wide prefix cache."""
+    within 5 points of the ideal of a cluster-wide prefix cache, counting as reusable only what
+    came back before each prompt was sent (time is compressed 120 times: on a loaded machine a
+    conversation's next turn can leave while its last one is still computed)."""
     bench = _load_benchmark("trace_replay")
     from disagg_devtools.tiny_models import VOCAB
 
@@ -394,8 +396,9 @@ def test_a_small_trace_replay_computes_what_the_store_cannot_serve(served) -> No
     after = counters()
     measured = (after[0] - before[0] + after[1] - before[1]) / work.prompt_tokens
     ideal = work.ideal_computed() / work.prompt_tokens
-    print(f"trace replay: computed share {measured:.3f}, ideal {ideal:.3f}")
-    assert abs(measured - ideal) <= 0.05, (measured, ideal)
+    timed = work.ideal_computed(outcome) / work.prompt_tokens
+    print(f"trace replay: computed share {measured:.3f}, ideal {ideal:.3f}, timed {timed:.3f}")
+    assert ideal - 0.05 <= measured <= timed + 0.05, (measured, ideal, timed)
 
     # The operator's planner reads the same interval off the same pages, once decode's
     # histograms count every finished request (vLLM records them after the stream ends).

@@ -90,3 +90,46 @@ def test_down_stops_a_process_that_outlives_its_wrapper(tmp_path: Path) -> None:
             os.kill(server, signal.SIGKILL)
             pytest.fail("the server outlived `local down`")
         time.sleep(0.05)
+
+
+def test_down_stops_the_store_and_etcd_after_their_clients(tmp_path: Path) -> None:
+    """A Mooncake client's teardown writes to etcd (5 s per write it cannot make): stopped
+    all at once, the proxy outlived its grace and was killed. Its client must find etcd and
+    the master still running when it is told to stop."""
+    from disagg_devtools.local.runner import stop_recorded
+
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-gqa-1p2d.yaml").read_text())
+    folder = RunFolder(tmp_path / "run")
+    folder.logs.mkdir(parents=True)
+    deployment = LocalDeployment("tiny", parse_spec(doc["spec"]), folder, echo=lambda _: None)
+    state: dict[str, object] = {"name": "tiny", "pids": {}}
+    pids = {name: tmp_path / f"{name}.pid" for name in ("etcd", "tiny-mooncake-master-0")}
+    server = "import os, time; open({!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    for name, pid_file in pids.items():
+        deployment._start(LocalProcess(name, "store", (sys.executable, "-c",
+                                                         server.format(str(pid_file)))), {},
+                          state)
+    seen = tmp_path / "seen"
+    client = ("import os, signal, sys, time\n"
+              "def running(pid):\n"  # a zombie has ended
+              "    try:\n"
+              "        stat = open(f'/proc/{pid}/stat').read()\n"
+              "    except FileNotFoundError:\n"
+              "        return False\n"
+              "    return stat.rsplit(')', 1)[1].split()[0] != 'Z'\n"
+              "def stop(*_):\n"
+              "    time.sleep(0.5)\n"  # as a teardown that talks to them takes a while
+              f"    found = [running(int(open(p).read())) "
+              f"for p in {[str(p) for p in pids.values()]!r}]\n"
+              f"    open({str(seen)!r}, 'w').write(repr(found))\n"
+              "    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, stop)\n"
+              "time.sleep(120)\n")
+    deployment._start(LocalProcess("tiny-proxy", "proxy", (sys.executable, "-c", client)), {},
+                      state)
+    deadline = time.monotonic() + 10
+    while not all(p.exists() and p.read_text() for p in pids.values()):
+        assert time.monotonic() < deadline, "the servers did not start"
+        time.sleep(0.05)
+    stop_recorded(folder, lambda _: None, grace=5.0)
+    assert seen.read_text() == "[True, True]"

@@ -513,22 +513,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _stop_wave(name: str) -> int:
+    """Which wave stops `name`: the store's clients (vLLM, the proxy, registrars) before the
+    masters, the masters before etcd. A Mooncake client's teardown writes to etcd and waits
+    5 s per write it cannot make: stopped together, the proxy outlived a 15 s grace."""
+    return 2 if "etcd" in name else 1 if "mooncake-master" in name else 0
+
+
 def stop_recorded(folder: RunFolder, echo: Echo, grace: float = 15.0) -> int:
-    """SIGTERM every recorded process (its whole session), then SIGKILL what is left."""
+    """SIGTERM every recorded process (its whole session) in waves, each wave given `grace`
+    seconds before what is left of it gets SIGKILL."""
     live = live_pids(folder)
-    # Proxy and registrars first (they withdraw cleanly), the store and etcd last.
-    order = sorted(live, key=lambda n: ("etcd" in n, "mooncake-master" in n))
-    for name in order:
-        _signal_group(live[name], signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while any(_group_alive(live[n]) for n in order) and time.monotonic() < deadline:
+    order = sorted(live, key=_stop_wave)
+    for wave in sorted({_stop_wave(name) for name in order}):
+        group = [name for name in order if _stop_wave(name) == wave]
+        for name in group:
+            _signal_group(live[name], signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while any(_group_alive(live[n]) for n in group) and time.monotonic() < deadline:
+            _reap()
+            time.sleep(0.1)
+        for name in group:
+            if _group_alive(live[name]):
+                echo(f"  {name} did not stop in {grace:g}s; killing it")
+                _signal_group(live[name], signal.SIGKILL)
         _reap()
-        time.sleep(0.1)
-    for name in order:
-        if _group_alive(live[name]):
-            echo(f"  {name} did not stop in {grace:g}s; killing it")
-            _signal_group(live[name], signal.SIGKILL)
-    _reap()
     if folder.state.exists():
         folder.state.unlink()
     for name in order:
