@@ -6,7 +6,9 @@ vLLM, Mooncake, etcd, proxy) and write the simulator's `tiny-mla-cpu` profile:
 - transfer: one request at a time through the proxy; what its time to first token adds to the
   prefill and one decode step is the proxy, the store's put and get and the hand-over;
 - store load: a prompt straight to the prefill instance, then the same prompt and a few tokens
-  more, whose stored blocks prefill's own lookup loads: the load times its connector logs.
+  more, whose stored blocks prefill's own lookup loads: the load times its connector logs;
+- context: what those prompts' first token took beyond the prefill of the few tokens and the
+  load, per loaded token (vLLM's MLA prefill expands the cached latent again in the step).
 
     .venv-serving/bin/python simulator/profiling/cpu_tiny.py \\
         --out simulator/src/disagg_sim/profiles/tiny-mla-cpu.yaml
@@ -41,7 +43,7 @@ DECODE_BATCHES = [1, 4, 8, 16]
 DECODE_PROMPTS = [64, 512]
 REPEATS = 9
 GENERATED = 48
-STORE_HIT_LENGTHS = [256, 512, 768]
+STORE_HIT_LENGTHS = [128, 256, 512, 768]
 STORE_HIT_TAIL = 16  # tokens after the stored prompt, computed
 LOADED = re.compile(r"loaded (\d+) KV blocks \((\d+) bytes\) from the store in ([0-9.]+) ms")
 
@@ -161,6 +163,23 @@ def fit_transfer(points: list[tuple[int, float]], bytes_per_token: float
              "latency_s": latency}, error, fitted)
 
 
+def fit_context(hits: list[tuple[int, float]], prefill_s_after: Callable[[int, int], float],
+                load: dict[str, float], bytes_per_token: float) -> tuple[float, float]:
+    """Seconds per cached token a step reads again: from (cached tokens, time to first token)
+    of prompts that computed STORE_HIT_TAIL tokens after loading the rest, what is left after
+    that compute and the load (the `store_load` section's form). Returns it and the largest
+    error of the fitted times, relative."""
+    def known(cached: int) -> float:
+        return (prefill_s_after(STORE_HIT_TAIL, cached) + load["latency_s"]
+                + cached * bytes_per_token / load["bandwidth_bytes_per_s"])
+
+    if not hits:
+        return 0.0, 0.0
+    per_token = max(0.0, sum(c * (t - known(c)) for c, t in hits) / sum(c * c for c, _ in hits))
+    error = max(abs(known(c) + per_token * c - t) / t for c, t in hits)
+    return per_token, error
+
+
 def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -190,7 +209,10 @@ def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float
                                           [t for *_, t in points["decode"]])
 
     def prefill_s(n: int) -> float:
-        return p_base + p_token * n + p_context * n * n / 2
+        return prefill_s_after(n, 0)
+
+    def prefill_s_after(n: int, cached: int) -> float:
+        return p_base + p_token * n + p_context * n * (cached + n / 2)
 
     measured = "measured here by simulator/profiling/cpu_tiny.py"
     extra = [(n, t - prefill_s(n) - (d_base + d_seq + d_ctx * n)) for n, t in points["proxy"]]
@@ -201,12 +223,14 @@ def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float
     loads = [(int(b / bytes_per_token), t) for b, t in points["store"] if b]
     store_load, s_error, s_fitted = fit_transfer(loads, bytes_per_token) if loads else (
         None, 0.0, False)
+    per_context, hit_error = fit_context(points.get("store_hits", []), prefill_s_after,
+                                         store_load or transfer, bytes_per_token)
     profile = {
         "name": "tiny-mla-cpu",
         "description": "the project's tiny MLA model (vLLM CPU build, bfloat16, block 32) on "
                        f"this {os.cpu_count()}-core machine, one process per instance",
         "prefill": {"base_s": p_base, "per_token_s": p_token, "per_token_context_s": p_context,
-                    "max_batched_tokens": 2048, "gpus": 1},
+                    "max_batched_tokens": 2048, "gpus": 1, "per_context_token_s": per_context},
         "decode": {"base_s": d_base, "per_sequence_s": d_seq, "per_context_token_s": d_ctx,
                    "max_sequences": 128, "kv_capacity_tokens": 1_000_000, "gpus": 1},
         "transfer": transfer,
@@ -242,8 +266,13 @@ def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float
             "store_hits": f"{measured}: time to first token straight to the prefill "
                           f"instance of prompts whose first {STORE_HIT_LENGTHS} tokens it loads "
                           f"from the store, {STORE_HIT_TAIL} computed: "
-                          f"{[round(t * 1000, 1) for _, t in points.get('store_hits', [])]} ms "
-                          "(the simulator's prefill model with the store load predicts these)",
+                          f"{[round(t * 1000, 1) for _, t in points.get('store_hits', [])]} ms",
+            "prefill.per_context_token_s": f"{measured}: those store hits' time beyond the "
+                                           f"prefill of {STORE_HIT_TAIL} tokens and the store "
+                                           "load, per loaded token (least squares through 0, "
+                                           f"error up to {hit_error:.1%} of the hits' time): "
+                                           "vLLM's MLA prefill expands the cached latent "
+                                           "through kv_b_proj in every step that attends to it",
             "prefill.max_batched_tokens": "vLLM CPU default max_num_batched_tokens (2048)",
             "decode.max_sequences": "vLLM CPU default max_num_seqs for the API server (128)",
             "decode.kv_capacity_tokens": "assumption: more than the replays use (the tiny "

@@ -27,6 +27,11 @@ DECODE_BATCH = [1, 8, 32, 64, 128, 256]
 DECODE_CONTEXT = [1024, 4096, 8192, 16384]
 # DeepSeek-V3's MLA cache per token: 61 layers x (512 latent + 64 rope) x 2 bytes (bf16).
 BYTES_PER_TOKEN = 61 * 576 * 2
+# A step attending to cached context expands each cached token's latent again (vLLM's MLA
+# prefill, kv_b_proj per context chunk): 61 layers x 512 latent x 128 heads x (128 nope +
+# 128 v) multiply-adds, against the 37B activated parameters of a token computed. The
+# database has no prefix-hit figures, so this share of the per-token time stands in.
+CONTEXT_SHARE = 61 * 512 * 128 * (128 + 128) / 37e9
 
 
 def estimate(mode: str, isl: int, osl: int, batch: int) -> float:
@@ -59,7 +64,8 @@ def main() -> None:
         "name": "deepseek-v3-h200",
         "description": "DeepSeek-V3 (MLA, 671B) on one 8x H200 SXM node per instance, vLLM",
         "prefill": {"base_s": p_base, "per_token_s": p_token, "per_token_context_s": p_context,
-                    "max_batched_tokens": 8192, "gpus": 8},
+                    "max_batched_tokens": 8192, "gpus": 8,
+                    "per_context_token_s": p_token * CONTEXT_SHARE},
         "decode": {"base_s": d_base, "per_sequence_s": d_seq, "per_context_token_s": d_ctx,
                    "max_sequences": 256, "kv_capacity_tokens": 500_000, "gpus": 8},
         "transfer": {"bytes_per_token": BYTES_PER_TOKEN, "bandwidth_bytes_per_s": 87e9,
@@ -79,6 +85,12 @@ def main() -> None:
                       f"relative least squares (largest error {d_error:.1%})",
             "prefill.max_batched_tokens": "vLLM's default max_num_batched_tokens for online "
                                           "serving on data-centre GPUs (8192)",
+            "prefill.per_context_token_s": f"derived: per_token_s x {CONTEXT_SHARE:.4f}, the "
+                                           "multiply-adds of expanding one cached latent "
+                                           "(61 layers x 512 x 128 heads x 256, DeepSeek-V3's "
+                                           "config.json) over the 37B activated parameters "
+                                           "of a computed token (DeepSeek-V3 technical "
+                                           "report); the database has no prefix-hit figures",
             "decode.max_sequences": "vLLM's default max_num_seqs on data-centre GPUs (256)",
             "decode.kv_capacity_tokens": "assumption: about 35 GB of KV per H200 left after "
                                          "fp8 weights (AIConfigurator reports 89 GB in use at "

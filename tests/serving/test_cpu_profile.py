@@ -34,6 +34,12 @@ def test_the_profile_gives_back_the_coefficients_its_points_were_made_from() -> 
         "proxy": [(n, prefill_s(n) + decode_s(1, n) + hand_over) for n in (128, 256, 512, 768)],
         "store": store_loads(log + "\nINFO request 9: stored 3 KV blocks in 1.0 ms"),
     }
+
+    def store_hit_s(cached: int) -> float:  # 16 computed after `cached` loaded, re-read
+        return (0.02 + 6e-5 * 16 + 1e-7 * 16 * (cached + 8) + 0.0015 + cached / 32 * 0.0001
+                + 1.2e-5 * cached)
+
+    points["store_hits"] = [(c, store_hit_s(c)) for c in (128, 256, 512, 768)]
     assert len(points["store"]) == 9
     profile = parse_profile(build_profile(points, 61.0, BYTES_PER_TOKEN))
     assert profile.prefill.prompt_seconds(768) == pytest.approx(prefill_s(768), rel=0.01)
@@ -41,4 +47,5 @@ def test_the_profile_gives_back_the_coefficients_its_points_were_made_from() -> 
     assert profile.store_load is not None
     # 0.1 ms per 32-token block over 1.5 ms: the fit resolves the per-token term here.
     assert profile.store_load_seconds(512) == pytest.approx(0.0015 + 16 * 0.0001, rel=0.01)
+    assert profile.prefill.per_context_token_s == pytest.approx(1.2e-5, rel=0.02)
     assert profile.shared_cores and profile.startup_s == 61.0

@@ -108,6 +108,25 @@ def test_prefill_chunks_the_queue_by_the_token_budget() -> None:
     assert prefill.idle and prefill.queued_tokens == 0
 
 
+def test_a_step_reads_its_context_again_at_the_profiles_cost_per_context_token() -> None:
+    """MLA on vLLM: a prompt whose first 512 tokens are cached still expands those 512 tokens'
+    latents in the step that computes its last 16, and a prompt's second chunk its first."""
+    model = PrefillModel(base_s=0.01, per_token_s=0.001, max_batched_tokens=100,
+                         per_context_token_s=0.0001)
+    loop = EventLoop()
+    prefill = PrefillInstance("p", model, loop)
+    done: list[float] = []
+    prefill.submit(PrefillJob(request(0, 0, 528, 1), 512, done.append))
+    loop.run()
+    assert done == [pytest.approx(0.01 + 0.016 + 0.0512)]
+    assert model.prompt_seconds(16, cached=512) == pytest.approx(done[0])
+    prefill.submit(PrefillJob(request(1, 0, 150, 1), 0, done.append))
+    loop.run()
+    assert done[1] - done[0] == pytest.approx(0.11 + 0.06 + 0.01)
+    assert model.prompt_seconds(150) == pytest.approx(done[1] - done[0])
+    assert model.tokens_per_second(512, 50) == pytest.approx(100 / (0.11 + 2 * 0.0512))
+
+
 def test_the_block_cache_evicts_the_least_recently_used() -> None:
     cache = BlockCache(3)
     cache.insert([1, 2, 3])

@@ -85,7 +85,8 @@ def build_planner(autoscaling: AutoscalingSpec) -> Planner:
     prefill, decode = profile.prefill, profile.decode
     return Planner(
         prefill=PrefillModel(prefill.base_seconds, prefill.per_token_seconds,
-                             prefill.per_token_context_seconds, prefill.max_batched_tokens),
+                             prefill.per_token_context_seconds, prefill.max_batched_tokens,
+                             per_context_token_s=prefill.per_context_token_seconds),
         decode=DecodeModel(decode.base_seconds, decode.per_sequence_seconds,
                            decode.per_context_token_seconds, decode.max_sequences,
                            decode.kv_capacity_tokens),

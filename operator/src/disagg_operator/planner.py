@@ -114,7 +114,7 @@ def prefill_need(load: Load, model: PrefillModel, ttft_target: float,
         spread = (1 + min(load.uncached_tokens_cv2, MAX_CV2)) / 2
         headroom = (ttft_target - slow) / (P90_OF_MEAN * service * spread)
         rho = min(MAX_UTILISATION, headroom / (1 + headroom))
-    capacity = model.tokens_per_second(load.cached_tokens_mean) * rho
+    capacity = model.tokens_per_second(load.cached_tokens_mean, uncached_mean) * rho
     backlog = 0.0 if backlog_drain_s is None else load.queued_uncached_tokens / backlog_drain_s
     need = (load.uncached_tokens_per_s + backlog) / capacity
     if backlog > 0.1 * load.uncached_tokens_per_s:

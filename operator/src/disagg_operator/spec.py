@@ -445,12 +445,16 @@ class StoreSpec(_Model):
 
 class PrefillProfileSpec(_Model):
     """A prefill instance's step time: base + perToken * tokens + perTokenContext * tokens *
-    context (the simulator's profile file, `prefill:` section, in these units)."""
+    context + perContextToken * context (the simulator's profile file, `prefill:` section, in
+    these units)."""
 
     base_seconds: float = Field(ge=0, description="Fixed time of one prefill step.")
     per_token_seconds: float = Field(gt=0, description="Time per prompt token computed.")
     per_token_context_seconds: float = Field(
         default=0.0, ge=0, description="Attention time per token and token of context.")
+    per_context_token_seconds: float = Field(
+        default=0.0, ge=0, description="Time per token of context a step reads again (MLA "
+        "expands its cached latent for every step; 0 for GQA).")
     max_batched_tokens: int = Field(
         default=8192, ge=1, description="vLLM's token budget per step (max_num_batched_tokens).")
 

@@ -85,19 +85,21 @@ class PrefillInstance:
     def _start_step(self) -> None:
         budget = self.model.max_batched_tokens
         chunks: list[tuple[PrefillJob, int]] = []
-        tokens, token_context, loads = 0, 0.0, 0.0
+        tokens, token_context, context, loads = 0, 0.0, 0.0, 0.0
         for job in self.queue:
             if not job.done_tokens:
                 loads += job.load_seconds
             take = min(budget, job.computed_tokens - job.done_tokens)
             token_context += take * (job.cached_tokens + job.done_tokens + take / 2)
+            context += job.cached_tokens + job.done_tokens
             chunks.append((job, take))
             tokens += take
             budget -= take
             if budget <= 0:
                 break
         self.busy = True
-        duration = (self.model.step_seconds(tokens, token_context) + loads) * self.slowdown()
+        duration = (self.model.step_seconds(tokens, token_context, context)
+                    + loads) * self.slowdown()
         self.busy_seconds += duration
         self.loop.at(self.loop.now + duration, lambda: self._finish_step(chunks))
 
