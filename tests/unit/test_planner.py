@@ -129,3 +129,36 @@ def test_a_worked_off_backlog_or_latency_spike_does_not_hold_instances_for_the_w
     holding.decide(0, steady, Replicas(1, 1))
     holding.decide(60, queued, base)
     assert holding.decide(120, steady, spike).replicas.prefill == spike.prefill
+
+
+def test_a_burst_of_sequences_into_decode_does_not_hold_decode_for_the_window() -> None:
+    """When prefill works off a backlog, decode receives a burst of sequences and its KV
+    demand jumps past what the arrivals' own sequences hold: decode scales up for it, and
+    back down once it is gone, like prefill's backlog."""
+    planner = Planner(PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64), scale_down_window_s=300,
+                      scale_down_step=64)
+    steady = Load(requests_per_s=3.4, uncached_tokens_per_s=60_000, cached_tokens_mean=0,
+                  prompt_tokens_mean=12_000, output_tokens_mean=350, kv_tokens_demand=300_000)
+    burst = dataclasses.replace(steady, kv_tokens_demand=3_000_000)
+    base = planner.decide(0, steady, Replicas(1, 1)).replicas
+    spike = planner.decide(60, burst, base).replicas
+    assert spike.decode > base.decode
+    arrivals_own = recommend(burst, PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64)).steady
+    assert arrivals_own is not None and arrivals_own.decode < spike.decode
+    assert planner.decide(120, steady, spike).replicas.decode == arrivals_own.decode
+
+
+def test_a_backlog_is_not_counted_twice_through_the_latency_it_causes() -> None:
+    """A queue of prompt tokens makes the measured TTFT high: the backlog term already adds
+    the instances that work it off, so the latency correction does not multiply them again;
+    without a backlog a high TTFT still scales prefill up."""
+    bounds = Bounds(1, 64, 1, 64)
+    load = Load(requests_per_s=3.4, uncached_tokens_per_s=60_000, cached_tokens_mean=0,
+                prompt_tokens_mean=12_000, output_tokens_mean=350)
+    queued = dataclasses.replace(load, queued_uncached_tokens=5_000_000)
+    slow = dataclasses.replace(queued, ttft_p90_s=30.0)
+    assert recommend(slow, PREFILL, DECODE, TARGETS, bounds).prefill_need == \
+        recommend(queued, PREFILL, DECODE, TARGETS, bounds).prefill_need
+    unexplained = dataclasses.replace(load, ttft_p90_s=30.0)
+    assert recommend(unexplained, PREFILL, DECODE, TARGETS, bounds).prefill_need == \
+        1.5 * recommend(load, PREFILL, DECODE, TARGETS, bounds).prefill_need

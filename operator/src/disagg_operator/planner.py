@@ -14,7 +14,8 @@ prefix caches do not already hold), decode on concurrent sequences and their con
 - decode: the largest batch whose step fits the ITL target (and the KV space) sets how many
   sequences one instance holds; Little's law gives the concurrent sequences. The KV tokens
   running and queued sequences want, over the instances' KV space kept KV_HEADROOM full,
-  give a second floor: long prompts fill KV before the batch is full.
+  give a second floor: long prompts fill KV before the batch is full. What the arrivals'
+  own sequences hold (Little's law) is its steady part; more is a burst prefill worked off.
 - measured p90 latencies above target scale the role up (by at most 1.5x); then the counts are
   clamped to their bounds, kept in the P:D ratio band, and stabilised: a scale-down waits until
   every recommendation within the window agrees, and removes at most `scale_down_step`.
@@ -123,18 +124,24 @@ def prefill_need(load: Load, model: PrefillModel, ttft_target: float,
                   f"{capacity:.0f} per instance at {rho:.0%} busy{note}")
 
 
-def decode_need(load: Load, model: DecodeModel, itl_target: float) -> tuple[float, str]:
+def decode_need(load: Load, model: DecodeModel, itl_target: float,
+                steady: bool = False) -> tuple[float, str]:
+    """Decode instances for the load; `steady` counts only the KV space the arrivals' own
+    sequences hold (a burst of sequences that prefill worked off a backlog is transient)."""
     if load.requests_per_s <= 0:
         return 0.0, "no decode work"
     context = load.prompt_tokens_mean + load.output_tokens_mean / 2
-    batch = model.batch_within(itl_target, context,
-                               load.prompt_tokens_mean + load.output_tokens_mean)
+    reserved = load.prompt_tokens_mean + load.output_tokens_mean
+    batch = model.batch_within(itl_target, context, reserved)
     step = model.step_seconds(batch, context)
     sequences = load.requests_per_s * load.output_tokens_mean * step
     by_batch = sequences / batch
-    by_kv = (load.kv_tokens_demand or 0.0) / (model.kv_capacity_tokens * KV_HEADROOM)
+    kv = load.kv_tokens_demand or 0.0
+    if steady:
+        kv = min(kv, sequences * reserved)
+    by_kv = kv / (model.kv_capacity_tokens * KV_HEADROOM)
     if by_kv > by_batch:
-        return by_kv, (f"{load.kv_tokens_demand:.0f} KV tokens wanted over "
+        return by_kv, (f"{kv:.0f} KV tokens wanted over "
                        f"{model.kv_capacity_tokens * KV_HEADROOM:.0f} per instance")
     return by_batch, (f"{sequences:.0f} concurrent sequences over {batch} per instance "
                       f"within the ITL target")
@@ -172,8 +179,10 @@ def recommend(load: Load, prefill: PrefillModel, decode: DecodeModel, targets: T
     p_need, p_why = prefill_need(load, prefill, targets.ttft_p90_s)
     d_need, d_why = decode_need(load, decode, targets.itl_p90_s)
     p_steady, _ = prefill_need(load, prefill, targets.ttft_p90_s, backlog_drain_s=None)
-    steady = bounded(p_steady, d_need, bounds)
-    p_need *= correction(load.ttft_p90_s, targets.ttft_p90_s)
+    d_steady, _ = decode_need(load, decode, targets.itl_p90_s, steady=True)
+    steady = bounded(p_steady, d_steady, bounds)
+    if p_need <= p_steady * 1.1:  # a backlog being worked off already explains the wait
+        p_need *= correction(load.ttft_p90_s, targets.ttft_p90_s)
     d_need *= correction(load.itl_p90_s, targets.itl_p90_s)
     return Recommendation(bounded(p_need, d_need, bounds), p_need, d_need,
                           f"prefill: {p_why}; decode: {d_why}", steady)
