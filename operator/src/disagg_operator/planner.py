@@ -16,7 +16,8 @@ prefix caches do not already hold), decode on concurrent sequences and their con
   running and queued sequences want, over the instances' KV space kept KV_HEADROOM full,
   give a second floor: long prompts fill KV before the batch is full. What the arrivals'
   own sequences hold (Little's law) is its steady part; more is a burst prefill worked off.
-- measured p90 latencies above target scale the role up (by at most 1.5x); then the counts are
+- measured p90 latencies above target scale the role up (by at most 1.5x; prefill's only
+  when no backlog being worked off explains its TTFT); then the counts are
   clamped to their bounds, kept in the P:D ratio band, and stabilised: a scale-down waits until
   every recommendation within the window agrees, and removes at most `scale_down_step`.
 """
@@ -36,6 +37,9 @@ MAX_CORRECTION = 1.5
 MAX_CV2 = 1.0
 # A prefill backlog is sized to be worked off within this long, on top of the arrivals.
 BACKLOG_DRAIN_S = 120.0
+# A backlog adding more than this share to prefill's need explains a high measured TTFT:
+# the latency correction is then left out, so the queue is not counted twice.
+BACKLOG_EXPLAINS_TTFT = 0.1
 # Decode KV space is filled to at most this share: prompt lengths vary (one long prompt can
 # take a tenth of an instance), and a full instance queues the next sequence.
 KV_HEADROOM = 0.7
@@ -181,7 +185,7 @@ def recommend(load: Load, prefill: PrefillModel, decode: DecodeModel, targets: T
     p_steady, _ = prefill_need(load, prefill, targets.ttft_p90_s, backlog_drain_s=None)
     d_steady, _ = decode_need(load, decode, targets.itl_p90_s, steady=True)
     steady = bounded(p_steady, d_steady, bounds)
-    if p_need <= p_steady * 1.1:  # a backlog being worked off already explains the wait
+    if p_need <= p_steady * (1 + BACKLOG_EXPLAINS_TTFT):
         p_need *= correction(load.ttft_p90_s, targets.ttft_p90_s)
     d_need *= correction(load.itl_p90_s, targets.itl_p90_s)
     return Recommendation(bounded(p_need, d_need, bounds), p_need, d_need,
