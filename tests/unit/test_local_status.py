@@ -18,13 +18,20 @@ from disagg_operator.spec import parse_spec
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def deployment(tmp_path: Path):  # noqa: ANN201
+def bare_deployment(tmp_path: Path) -> tuple[LocalDeployment, dict[str, object]]:
+    """A deployment of the tiny example that has started nothing, and its state to record
+    the processes a test starts in it."""
     doc = yaml.safe_load((ROOT / "examples" / "tiny-gqa-1p2d.yaml").read_text())
     folder = RunFolder(tmp_path / "run")
     folder.logs.mkdir(parents=True)
     deployment = LocalDeployment("tiny", parse_spec(doc["spec"]), folder, echo=lambda _: None)
-    state: dict[str, object] = {"name": "tiny", "pids": {}}
+    return deployment, {"name": "tiny", "pids": {}}
+
+
+@pytest.fixture
+def deployment(tmp_path: Path):  # noqa: ANN201
+    deployment, state = bare_deployment(tmp_path)
+    folder = deployment.folder
     deployment._start(LocalProcess("tiny-proxy", "proxy", (sys.executable, "-c",
                                    "import time; time.sleep(120)")), {}, state)
     deployment._start(LocalProcess("tiny-decode-1", "decode", (
@@ -66,11 +73,8 @@ def test_down_stops_a_process_that_outlives_its_wrapper(tmp_path: Path) -> None:
             return False
         return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-gqa-1p2d.yaml").read_text())
-    folder = RunFolder(tmp_path / "run")
-    folder.logs.mkdir(parents=True)
-    deployment = LocalDeployment("tiny", parse_spec(doc["spec"]), folder, echo=lambda _: None)
-    state: dict[str, object] = {"name": "tiny", "pids": {}}
+    deployment, state = bare_deployment(tmp_path)
+    folder = deployment.folder
     pid_file = tmp_path / "server.pid"
     stubborn = ("import os, signal, sys, time\n"
                 "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -98,11 +102,8 @@ def test_down_stops_the_store_and_etcd_after_their_clients(tmp_path: Path) -> No
     the master still running when it is told to stop."""
     from disagg_devtools.local.runner import stop_recorded
 
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-gqa-1p2d.yaml").read_text())
-    folder = RunFolder(tmp_path / "run")
-    folder.logs.mkdir(parents=True)
-    deployment = LocalDeployment("tiny", parse_spec(doc["spec"]), folder, echo=lambda _: None)
-    state: dict[str, object] = {"name": "tiny", "pids": {}}
+    deployment, state = bare_deployment(tmp_path)
+    folder = deployment.folder
     pids = {name: tmp_path / f"{name}.pid" for name in ("etcd", "tiny-mooncake-master-0")}
     server = "import os, time; open({!r}, 'w').write(str(os.getpid())); time.sleep(120)"
     for name, pid_file in pids.items():

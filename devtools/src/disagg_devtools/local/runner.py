@@ -10,6 +10,7 @@ when `up` failed half-way. Each process logs to `logs/<name>.log` in the run fol
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -525,8 +526,8 @@ def stop_recorded(folder: RunFolder, echo: Echo, grace: float = 15.0) -> int:
     seconds before what is left of it gets SIGKILL."""
     live = live_pids(folder)
     order = sorted(live, key=_stop_wave)
-    for wave in sorted({_stop_wave(name) for name in order}):
-        group = [name for name in order if _stop_wave(name) == wave]
+    for _, wave in itertools.groupby(order, key=_stop_wave):
+        group = list(wave)
         for name in group:
             _signal_group(live[name], signal.SIGTERM)
         deadline = time.monotonic() + grace
