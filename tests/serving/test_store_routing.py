@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from kvhelper.discovery import StaticDiscovery
+from kvhelper.proxy.brief_wait import BriefWait
 from kvhelper.proxy.prompt_blocks import BlockHasher, PromptTokenizer, TokenizerSource
 from kvhelper.proxy.store_routing import StoreRouter
 from kvhelper.stored_prefix import KeySpace
@@ -268,3 +269,28 @@ async def test_a_short_unstored_rest_is_computed_by_decode_within_local_prefill_
         else:  # nothing stored: decode computes the prompt, with nothing to load
             assert params is None
     assert 'disagg_proxy_skip_prefill_computed_tokens_total' in await metrics(proxy)
+
+
+async def test_a_prompt_the_store_answers_at_once_is_routed_without_yielding_the_loop(
+        tokenizer_source):
+    """On busy cores the loop's wake-up after a lookup costs a scheduler tick (brief_wait.py):
+    an answer that comes within the allowance is taken before the loop runs anything else."""
+    lookup = FakeLookup()
+    # Generous for a loaded test machine; the proxy's own is 2 ms.
+    router = StoreRouter(tokenizer_source, lookup, lookup_timeout=2.0,
+                         brief_wait=BriefWait(share=1.0, longest_s=0.5, burst_s=0.5))
+    await router.start()
+    router.learn("fp", load_from_store(BLOCK, "h", IDENTITY) | {KEY_SPACE_KEY: SPACE.to_json()})
+    body = {"model": "tiny", "prompt": list(range(1, 5 * BLOCK)), "max_tokens": 1}
+    ran: list[str] = []
+    asyncio.get_running_loop().call_soon(ran.append, "other work")
+    route, _ = await router.decide(False, body, {"tiny"}, {"fp"})
+    assert route.kind == "prefill" and lookup.asked and ran == []
+    await asyncio.sleep(0)
+    ran.clear()
+    # A late answer is awaited as before: the loop serves others meanwhile.
+    lookup.delay = 0.8
+    asyncio.get_running_loop().call_soon(ran.append, "other work")
+    route, _ = await router.decide(False, body, {"tiny"}, {"fp"})
+    assert route.kind == "prefill" and ran == ["other work"]
+    router.close()

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvhelper.proxy.brief_wait import BriefWait
 from kvhelper.proxy.prompt_blocks import (
     BlockHasher,
     PromptTokenizer,
@@ -101,7 +102,7 @@ class StoreRouter:
                  lookup: StoredPrefixLookup | Callable[[], StoredPrefixLookup],
                  lookup_timeout: float = 0.25,
                  on_lookup: Callable[[float], None] = lambda seconds: None,
-                 local_prefill_tokens: int = 0) -> None:
+                 local_prefill_tokens: int = 0, brief_wait: BriefWait | None = None) -> None:
         self._source = tokenizer
         self.local_prefill_tokens = local_prefill_tokens
         self._on_lookup = on_lookup
@@ -112,6 +113,7 @@ class StoreRouter:
         self._hashers: dict[str, BlockHasher | None] = {}
         self._learned: dict[str, Learned] = {}  # KV fingerprint -> what prefill told
         self._busy = 0
+        self._brief_wait = brief_wait or BriefWait()
         self.ready = asyncio.Event()
         self.failed: str | None = None  # why it could not start
 
@@ -245,14 +247,17 @@ class StoreRouter:
             return "lookup_busy"  # every lookup thread waits on the store: do not queue
         started = time.perf_counter()
         try:
-            # Straight onto the lookup's worker thread: each thread hand-over can wait for a
-            # scheduler tick (4 ms measured) on a machine whose cores the engines keep busy.
-            future = asyncio.wrap_future(lookup.submit(space, hashes))
+            pending = lookup.submit(space, hashes)
         except LookupBusy:
             return "lookup_busy"
         self._busy += 1
+        # Straight onto the lookup's worker thread (one hand-over, not two), then a brief wait
+        # for its answer here before the loop's own hand-over (brief_wait.py says why).
+        future = asyncio.wrap_future(pending)
         future.add_done_callback(self._lookup_done)
         try:
+            if self._brief_wait.done_soon(pending):
+                return pending.result()
             return await asyncio.wait_for(asyncio.shield(future), self.lookup_timeout)
         except TimeoutError:
             return "lookup_timeout"
