@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import yaml
-from disagg_operator.planner import Bounds, Targets
+from disagg_operator.planner import Bounds, Replicas, Targets
+from disagg_sim.autoscale import Decision
 from disagg_sim.evaluation import Run, best_static, planner_run, static_run, sweep
 from disagg_sim.profile import load_profile
 from disagg_sim.simulate import fmt
@@ -45,6 +46,19 @@ def sized_for_peak(runs: list[Run]) -> Run | None:
               and r.summary.finished == r.summary.requests]
     return min(enough, key=lambda r: (r.instances, -(r.summary.requests_within or 0)),
                default=None)
+
+
+def in_effect(decisions: list[Decision], every_s: float) -> list[tuple[int, Replicas]]:
+    """The replicas the planner's latest decision had set at each multiple of `every_s`."""
+    marks: list[tuple[int, Replicas]] = []
+    mark, latest = every_s, None
+    for decision in decisions:
+        while decision.at > mark:
+            if latest is not None:
+                marks.append((int(mark), latest))
+            mark += every_s
+        latest = decision.replicas
+    return marks
 
 
 def line(run: Run, targets: Targets, reference: Run | None = None) -> str:
@@ -132,9 +146,8 @@ def main() -> None:
                 print(f"{run.label} against the static sized for the peak: {share:.0%} of its "
                       f"instance-hours (target <= 70%), {within:.1%} of requests within both "
                       f"targets (target >= {PEAK_SLO:.0%}): {'met' if met else 'not met'}")
-        counts = [(int(d.at), d.replicas.prefill, d.replicas.decode) for d in decisions]
-        print("planner replicas (second, P, D) every 10 minutes:",
-              ", ".join(f"{t}s {p}P{d}D" for t, p, d in counts[::10]))
+        print("planner replicas every 10 minutes:", ", ".join(
+            f"{t}s {r.prefill}P{r.decode}D" for t, r in in_effect(decisions, 600)))
     print(f"\n({time.perf_counter() - began:.0f}s)")
 
 

@@ -4,13 +4,20 @@ the best instead of the whole sweep)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
-from disagg_operator.planner import Bounds, Targets
+from disagg_operator.planner import SHORTEST_LOAD_WINDOW_S, Bounds, Targets
 from disagg_sim.evaluation import best_static, planner_run, sweep
 from disagg_sim.profile import load_profile
-from disagg_sim.trace import read_trace, to_requests
+from disagg_sim.trace import (
+    apply_rate_steps,
+    parse_rate_steps,
+    read_trace,
+    scaled_arrivals,
+    to_requests,
+)
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
 TARGETS = Targets(ttft_p90_s=4.0, itl_p90_s=0.05)
@@ -37,3 +44,19 @@ def test_the_planner_on_the_recorded_trace_against_the_best_static_configuration
     assert raw.instances >= 1.2 * plan.instances
     assert all(bounds.prefill_min <= d.replicas.prefill <= bounds.prefill_max
                for d in decisions)
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the trace lives in ../shared/traces")
+def test_a_rate_step_up_is_answered_between_decisions() -> None:
+    """With decisions every 180 s, the queue a 3x step builds is seen by the 5 s samples and
+    scales prefill up within seconds, not at the next decision."""
+    profile = dataclasses.replace(load_profile("deepseek-v3-h200"), startup_s=0)
+    rows = apply_rate_steps(read_trace(TRACE), parse_rate_steps("0:1,1200:3"))
+    requests = [r for r in to_requests(rows, arrivals=scaled_arrivals(rows))
+                if r.arrival < 1500]
+    _, decisions = planner_run(profile, requests, "store-aware", TARGETS, Bounds(1, 24, 1, 8),
+                               interval_s=180)
+    before = [d for d in decisions if d.at <= 1200][-1].replicas.prefill
+    first_up = next(d for d in decisions if d.at > 1200 and d.replicas.prefill > before)
+    assert "queue breaks the TTFT target" in first_up.recommendation.reason
+    assert first_up.at <= 1200 + SHORTEST_LOAD_WINDOW_S  # the next decision is at 1260

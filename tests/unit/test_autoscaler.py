@@ -188,7 +188,7 @@ async def test_decode_is_sized_for_the_kv_sampled_between_decisions(
         clock.now += 5
         decode.kv_usage.set(usage)
         await autoscaler.sample("u")
-    assert source.scraped == [["d-0"]] * 12  # samples ask decode only
+    assert source.scraped == [["p-0", "d-0"]] * 12  # samples ask the engines only
     source.traffic(10, 100)
     decided = await autoscaler.scale("u", "d", spec, PODS, {})
     assert decided is not None and decided.replicas is not None
@@ -208,7 +208,7 @@ async def test_the_sampling_task_runs_between_reconciles_and_stops_with_the_obje
     await autoscaler.scale("u", "d", planner_spec(), PODS, {})
 
     async def sampled(count: int) -> None:
-        while source.scraped.count(["d-0"]) < count:
+        while source.scraped.count(["p-0", "d-0"]) < count:
             await asyncio.sleep(0.01)
 
     await asyncio.wait_for(sampled(3), 10)
@@ -217,3 +217,40 @@ async def test_the_sampling_task_runs_between_reconciles_and_stops_with_the_obje
     taken = len(source.scraped)
     await asyncio.sleep(0.05)
     assert len(source.scraped) == taken
+
+
+async def test_a_prefill_queue_that_breaks_the_ttft_target_scales_up_between_decisions(
+        source: PagesSource, clock: Clock) -> None:
+    """A sample that finds prefill's queue past what the TTFT target allows scales up at once,
+    on the load since the last decision, and wakes the object's reconcile to apply it; a
+    shorter queue, or one seen too soon after a decision to measure a load, waits for the
+    interval."""
+    woken: list[str] = []
+    autoscaler = Autoscaler(source, clock, lambda: "2026-12-05T00:00:00Z", wake=woken.append)
+    spec = planner_spec()
+    prefill = source.pages["p-0"]
+    assert isinstance(prefill, EnginePage)
+    await autoscaler.scale("u", "d", spec, PODS, {})
+    clock.now += 60
+    source.traffic(10, 1000)
+    first = await autoscaler.scale("u", "d", spec, PODS, {})
+    assert first is not None and first.replicas == Replicas(1, 2)
+    # About 9,100 prompt tokens a second per instance for 1,000-token prompts: the target
+    # (1 s) allows about 9 of them queued.
+    prefill.waiting.set(50)
+    clock.now += 10
+    await autoscaler.sample("u")
+    assert woken == []  # 10 s is too short a load to scale on
+    clock.now += 20
+    source.traffic(600, 1000)
+    prefill.waiting.set(5)
+    await autoscaler.sample("u")
+    assert woken == []  # 5 queued prompts wait about 0.5 s
+    prefill.waiting.set(50)
+    await autoscaler.sample("u")
+    assert woken == ["u"]
+    assert autoscaler.due_in("u") == 30  # the interval's decision stays where it was
+    scaled = await autoscaler.scale("u", "d", spec, PODS, {})
+    assert scaled is not None and scaled.replicas is not None
+    assert scaled.replicas.prefill > 1 and scaled.replicas.decode >= 2
+    assert "queue breaks the TTFT target" in scaled.status["reason"]

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from disagg_operator.performance import DecodeModel, PrefillModel
 from disagg_operator.planner import (
+    FAST_DROP_DECISIONS,
+    FAST_DROP_SHARE,
     Bounds,
     Load,
     Planner,
@@ -95,17 +98,40 @@ def test_uncached_tokens_size_prefill_and_measured_latency_corrects_it() -> None
     assert slow.decode_need == cached.decode_need
 
 
+BUSY = Load(requests_per_s=3.4, uncached_tokens_per_s=60_000, cached_tokens_mean=0,
+            prompt_tokens_mean=12_000, output_tokens_mean=350)
+
+
 def test_scale_down_waits_for_the_window_and_steps_one_at_a_time() -> None:
     planner = Planner(PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64), scale_down_window_s=300)
-    busy = Load(requests_per_s=3.4, uncached_tokens_per_s=60_000, cached_tokens_mean=0,
-                prompt_tokens_mean=12_000, output_tokens_mean=350)
-    quiet = dataclasses.replace(busy, requests_per_s=0.5, uncached_tokens_per_s=5_000)
-    high = planner.decide(0, busy, Replicas(1, 1)).replicas
+    # A swing down within the load: a quarter less (more than FAST_DROP_SHARE of the count).
+    lull = dataclasses.replace(BUSY, requests_per_s=2.55, uncached_tokens_per_s=45_000)
+    high = planner.decide(0, BUSY, Replicas(1, 1)).replicas
     assert high.prefill > 2  # up at once
-    counts = [planner.decide(60.0 * m, quiet, high).replicas.prefill for m in range(1, 5)]
+    lower = recommend(lull, PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64)).replicas.prefill
+    assert FAST_DROP_SHARE * high.prefill < lower < high.prefill
+    counts = [planner.decide(60.0 * m, lull, high).replicas.prefill for m in range(1, 5)]
     assert counts == [high.prefill] * 4  # the busy minute is still in the window
-    after = planner.decide(360, quiet, high).replicas.prefill
+    after = planner.decide(360, lull, high).replicas.prefill
     assert after == high.prefill - 1
+
+
+def test_a_load_that_fell_far_scales_down_before_the_window_ends() -> None:
+    """When the last few recommendations all ask for far fewer instances than run, the load
+    changed (a rate step down): the window's older recommendations no longer hold the count,
+    which still falls one instance a decision. One low recommendation is not enough."""
+    planner = Planner(PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64), scale_down_window_s=600)
+    quiet = dataclasses.replace(BUSY, requests_per_s=0.5, uncached_tokens_per_s=5_000)
+    high = planner.decide(0, BUSY, Replicas(1, 1)).replicas
+    assert planner.decide(60, quiet, high).replicas == high  # one quiet interval: a swing
+    assert planner.decide(120, BUSY, high).replicas == high
+    counts = [high.prefill]
+    for m in range(3, 3 + FAST_DROP_DECISIONS + 2):
+        counts.append(planner.decide(60.0 * m, quiet, Replicas(counts[-1], 1)).replicas.prefill)
+    held = FAST_DROP_DECISIONS - 1  # the busy interval is among the last few until then
+    assert counts[1:held + 1] == [high.prefill] * held
+    assert counts[held + 1:] == [high.prefill - 1, high.prefill - 2, high.prefill - 3][
+        :len(counts) - held - 1]
 
 
 def test_a_worked_off_backlog_or_latency_spike_does_not_hold_instances_for_the_window() -> None:
@@ -162,3 +188,33 @@ def test_a_backlog_is_not_counted_twice_through_the_latency_it_causes() -> None:
     unexplained = dataclasses.replace(load, ttft_p90_s=30.0)
     assert recommend(unexplained, PREFILL, DECODE, TARGETS, bounds).prefill_need == \
         1.5 * recommend(load, PREFILL, DECODE, TARGETS, bounds).prefill_need
+
+
+def test_a_queue_that_breaks_the_ttft_target_scales_up_between_decisions() -> None:
+    """The queue's wait is read at the throughput of the last decision's prompts; past the
+    TTFT target it calls for a scale-up now, which adds instances and never removes any, and
+    which the scale-down window does not remember."""
+    bounds = Bounds(1, 64, 1, 64)
+    planner = Planner(PREFILL, DECODE, TARGETS, bounds, scale_down_window_s=600)
+    assert planner.queue_wait_s(1e9, 1) is None  # no decision yet: no throughput known
+    assert not planner.queue_breaks_ttft(1e9, 1)
+    quiet = dataclasses.replace(BUSY, requests_per_s=0.5, uncached_tokens_per_s=5_000)
+    low = planner.decide(0, quiet, Replicas(1, 1)).replicas
+    per_instance = PREFILL.tokens_per_second(0, 10_000)  # the quiet prompts' length
+    at_target = TARGETS.ttft_p90_s * per_instance * low.prefill
+    assert planner.queue_wait_s(at_target, low.prefill) == \
+        pytest.approx(TARGETS.ttft_p90_s)
+    assert not planner.queue_breaks_ttft(at_target * 0.99, low.prefill)
+    assert planner.queue_breaks_ttft(at_target * 1.01, low.prefill)
+    # More instances work the same queue off sooner.
+    assert not planner.queue_breaks_ttft(at_target * 1.01, low.prefill + 1)
+
+    surge = dataclasses.replace(BUSY, queued_uncached_tokens=at_target * 2)
+    up = planner.scale_up(surge, low)
+    assert up.replicas.prefill > low.prefill
+    assert up.replicas.prefill == recommend(surge, PREFILL, DECODE, TARGETS,
+                                            bounds).replicas.prefill
+    assert "queue breaks the TTFT target" in up.reason
+    assert planner.scale_up(quiet, Replicas(9, 9)).replicas == Replicas(9, 9)  # never down
+    # Not recorded: the next decision on a quiet interval may go back down at once.
+    assert planner.decide(60, quiet, up.replicas).replicas.prefill == up.replicas.prefill - 1

@@ -6,9 +6,11 @@ Why in-process rather than a rendered Deployment: the operator already lists the
 the workloads the decision lands on and writes the status that explains it; a separate
 planner would need its own RBAC to patch them and a second writer of the same counts.
 
-Between decisions a task samples decode's KV every `sample_seconds` (5 s, as the simulator's
-driver does), so that the decision sizes decode for the interval's busy moments, not for the
-one moment of its scrape.
+Between decisions a task samples prefill and decode every `sample_seconds` (5 s, as the
+simulator's driver does): decode's KV, so that the decision sizes decode for the interval's
+busy moments, not for the one moment of its scrape; and prefill's queue, which, when it alone
+would make the next prompt wait past the TTFT target, scales up at once (`Planner.scale_up`)
+and wakes the object's reconcile to apply it.
 
 The decision lives in the operator's memory and in `status.autoscaling` (read back after a
 restart); the spec's replica counts stay the user's starting counts, so a GitOps tool that
@@ -25,10 +27,24 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from disagg_operator.association import LABEL_COMPONENT, child_name
-from disagg_operator.load import KvSample, Scrape, kv_sample, load_between, load_fields
+from disagg_operator.load import (
+    KvSample,
+    Scrape,
+    kv_sample,
+    load_between,
+    load_fields,
+    prompts_waiting,
+)
 from disagg_operator.performance import DecodeModel, PrefillModel
 from disagg_operator.plan import VLLM_PORT
-from disagg_operator.planner import Bounds, Planner, Replicas, Targets
+from disagg_operator.planner import (
+    SHORTEST_LOAD_WINDOW_S,
+    Bounds,
+    Load,
+    Planner,
+    Replicas,
+    Targets,
+)
 from disagg_operator.spec import AutoscalingSpec, DisaggServingSpec
 
 log = logging.getLogger(__name__)
@@ -123,19 +139,23 @@ class _PlannerState:
     reason: str
     targets: list[ScrapeTarget] = field(default_factory=list)  # as of the last reconcile
     kv_samples: list[KvSample] = field(default_factory=list)  # since the last decision
-    last_scrape: Scrape | None = None
+    last_scrape: Scrape | None = None  # the last decision's
+    last_load: Load | None = None  # what the last decision saw
     decided_at: str | None = None
     load: dict[str, float] = field(default_factory=dict)
 
 
 class Autoscaler:
     def __init__(self, source: MetricsSource, clock: Callable[[], float],
-                 wall_clock: Callable[[], str], sample_seconds: float | None = None) -> None:
+                 wall_clock: Callable[[], str], sample_seconds: float | None = None,
+                 wake: Callable[[str], None] | None = None) -> None:
         self.source = source
         self.clock = clock  # monotonic seconds
         self.wall_clock = wall_clock  # RFC 3339, for the status
         # None: no sampling task (a caller, e.g. a test, calls `sample` itself).
         self.sample_seconds = sample_seconds
+        # Asks for a reconcile of the object (by uid) to apply a decision made between them.
+        self.wake = wake
         self._states: dict[str, _PlannerState] = {}
         self._samplers: dict[str, asyncio.Task[None]] = {}
 
@@ -146,14 +166,45 @@ class Autoscaler:
             sampler.cancel()
 
     async def sample(self, uid: str) -> None:
-        """Sample decode's KV for the next decision."""
+        """Sample decode's KV for the next decision, and scale up now if prefill's queue
+        breaks the TTFT target."""
         state = self._states.get(uid)
         if state is None or not state.targets:
             return
-        decode = [t for t in state.targets if t.role == "decode"]
-        scrape = await self.source.scrape(decode)
+        engines = [t for t in state.targets if t.role in ("prefill", "decode")]
+        scrape = await self.source.scrape(engines)
         if "decode" in scrape.roles():
             state.kv_samples.append(kv_sample(scrape))
+        if "prefill" in scrape.roles() and self._scale_up_now(state, scrape) \
+                and self.wake is not None:
+            self.wake(uid)
+
+    def _scale_up_now(self, state: _PlannerState, scrape: Scrape) -> bool:
+        """A decision between decisions, on the load since the last one, when the queued
+        prompts' wait breaks the TTFT target; True if it added instances."""
+        earlier, last = state.last_scrape, state.last_load
+        if earlier is None or last is None or last.requests_per_s <= 0 \
+                or scrape.at - earlier.at < SHORTEST_LOAD_WINDOW_S:
+            return False
+        queued = prompts_waiting(scrape) * last.uncached_tokens_per_s / last.requests_per_s
+        if not state.planner.queue_breaks_ttft(queued, state.replicas.prefill):
+            return False
+        load = load_between(earlier, scrape, state.kv_samples)
+        if load.requests_per_s <= 0:
+            return False
+        decision = state.planner.scale_up(load, state.replicas)
+        if decision.replicas == state.replicas:
+            return False
+        self._record(state, decision.replicas, decision.reason, load)
+        return True
+
+    def _record(self, state: _PlannerState, replicas: Replicas, reason: str,
+                load: Load) -> None:
+        state.replicas, state.reason = replicas, reason
+        state.load = load_fields(load)
+        state.decided_at = self.wall_clock()
+        log.info("Planner: prefill %d, decode %d (%s)", replicas.prefill, replicas.decode,
+                 reason)
 
     async def _sample_every(self, uid: str, seconds: float) -> None:
         while uid in self._states:
@@ -212,12 +263,8 @@ class Autoscaler:
             return
         load = load_between(earlier, scrape, samples)
         decision = state.planner.decide(now, load, state.replicas)
-        state.replicas = decision.replicas
-        state.reason = decision.reason
-        state.load = load_fields(load)
-        state.decided_at = self.wall_clock()
-        log.info("Planner: prefill %d, decode %d (%s)", decision.replicas.prefill,
-                 decision.replicas.decode, decision.reason)
+        state.last_load = load
+        self._record(state, decision.replicas, decision.reason, load)
 
     @staticmethod
     def _status(state: _PlannerState) -> dict[str, Any]:

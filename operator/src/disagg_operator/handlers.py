@@ -103,6 +103,7 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     client = AsyncClient()
+    wakeboard = WakeBoard()
     reconciler = Reconciler(
         LightkubeApi(client),
         EtcdHealthChecker(ttl=config.etcd_health_ttl_seconds,
@@ -114,16 +115,16 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         operator_namespace=config.operator_namespace,
         autoscaler=Autoscaler(
             PodMetricsScraper(address_overrides=config.metrics_address_overrides),
-            time.monotonic, utcnow, sample_seconds=SAMPLE_SECONDS))
+            time.monotonic, utcnow, sample_seconds=SAMPLE_SECONDS, wake=wakeboard.wake))
     if config.leader_election is None:
         leading = asyncio.Event()
         leading.set()
-        memo.context = OperatorContext(config, client, reconciler, WakeBoard(), leading)
+        memo.context = OperatorContext(config, client, reconciler, wakeboard, leading)
     else:
         elector = LeaderElector(
             LightkubeLeaseStore(client, config.lease_namespace, config.lease_name),
             config.leader_election)
-        memo.context = OperatorContext(config, client, reconciler, WakeBoard(), elector.leading,
+        memo.context = OperatorContext(config, client, reconciler, wakeboard, elector.leading,
                                        elector, asyncio.create_task(_lead(elector, config)))
     if config.metrics_port is not None:
         start_http_server(config.metrics_port)

@@ -166,6 +166,11 @@ def kv_sample(scrape: Scrape) -> KvSample:
                     _gauge(scrape, "decode", WAITING))
 
 
+def prompts_waiting(scrape: Scrape) -> float:
+    """Requests queued at the prefill instances, not yet scheduled."""
+    return _gauge(scrape, "prefill", WAITING)
+
+
 def _p90(values: list[float]) -> float:
     """Nearest rank, as the simulator's driver takes it of its samples."""
     ordered = sorted(values)
@@ -198,7 +203,7 @@ def load_between(before: Scrape, after: Scrape, kv_samples: Sequence[KvSample] =
         kv_tokens_demand=kv_demand,
         uncached_tokens_p90=computed.quantile(0.9),
         uncached_tokens_cv2=computed.cv2() or 1.0,
-        queued_uncached_tokens=_gauge(after, "prefill", WAITING) * uncached_per_request)
+        queued_uncached_tokens=prompts_waiting(after) * uncached_per_request)
 
 
 def load_fields(load: Load) -> dict[str, float]:

@@ -19,7 +19,10 @@ prefix caches do not already hold), decode on concurrent sequences and their con
 - measured p90 latencies above target scale the role up (by at most 1.5x; prefill's only
   when no backlog being worked off explains its TTFT); then the counts are
   clamped to their bounds, kept in the P:D ratio band, and stabilised: a scale-down waits until
-  every recommendation within the window agrees, and removes at most `scale_down_step`.
+  every recommendation within the window agrees (or the last few all ask for far fewer: the
+  load changed), and removes at most `scale_down_step`.
+- between decisions, a prefill queue that alone would make the next prompt wait past the TTFT
+  target scales up at once (`Planner.scale_up`), instead of at the next interval.
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ BACKLOG_EXPLAINS_TTFT = 0.1
 # Decode KV space is filled to at most this share: prompt lengths vary (one long prompt can
 # take a tenth of an instance), and a full instance queues the next sequence.
 KV_HEADROOM = 0.7
+# A scale-down waits for the whole window to agree, so that a swing within the load does not
+# remove instances the next swing needs; but when the last FAST_DROP_DECISIONS steady
+# recommendations all ask for at most FAST_DROP_SHARE of the current count, the load itself
+# changed (a rate step down), and only those recommendations hold the count.
+FAST_DROP_DECISIONS = 3
+FAST_DROP_SHARE = 0.7
+# A load measured over less than this is too noisy to scale on between decisions.
+SHORTEST_LOAD_WINDOW_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -213,6 +224,9 @@ class Stabiliser:
         if recommended >= current:
             return recommended
         floor = max(r for _, r in self._history)
+        recent = [r for _, r in list(self._history)[-FAST_DROP_DECISIONS:]]
+        if len(recent) == FAST_DROP_DECISIONS and max(recent) <= FAST_DROP_SHARE * current:
+            floor = max(recent)
         return max(floor, current - self.step) if floor < current else current
 
 
@@ -230,11 +244,43 @@ class Planner:
     def __post_init__(self) -> None:
         self._stabilisers = {role: Stabiliser(self.scale_down_window_s, self.scale_down_step)
                              for role in ("prefill", "decode")}
+        # One saturated prefill instance's prompt tokens per second, for the last decision's
+        # prompts (their cached and uncached lengths).
+        self._prefill_tokens_per_s: float | None = None
 
     def seed(self, now: float, role: str, count: int) -> None:
         self._stabilisers[role].seed(now, count)
 
+    def queue_wait_s(self, queued_uncached_tokens: float, prefill_instances: int
+                     ) -> float | None:
+        """How long the prefill instances take to work off the prompt tokens queued now, at
+        the throughput the last decision's prompts get; None before a decision saw prompts."""
+        if self._prefill_tokens_per_s is None:
+            return None
+        return queued_uncached_tokens / (max(prefill_instances, 1) * self._prefill_tokens_per_s)
+
+    def queue_breaks_ttft(self, queued_uncached_tokens: float, prefill_instances: int) -> bool:
+        """The queue alone makes the next prompt wait past the TTFT target: a driver then
+        asks `scale_up` now rather than waiting for the next interval."""
+        wait = self.queue_wait_s(queued_uncached_tokens, prefill_instances)
+        return wait is not None and wait > self.targets.ttft_p90_s
+
+    def scale_up(self, load: Load, current: Replicas) -> Recommendation:
+        """Between decisions: the load so far's recommendation where it adds instances, the
+        current count elsewhere. The stabilisers do not record it: the next decision, on the
+        whole interval, says what stays."""
+        raw = recommend(load, self.prefill, self.decode, self.targets, self.bounds)
+        up = Replicas(max(raw.replicas.prefill, current.prefill),
+                      max(raw.replicas.decode, current.decode))
+        return Recommendation(up, raw.prefill_need, raw.decode_need,
+                              f"the prefill queue breaks the TTFT target; {raw.reason}",
+                              raw.steady)
+
     def decide(self, now: float, load: Load, current: Replicas) -> Recommendation:
+        if load.requests_per_s > 0 and load.uncached_tokens_per_s > 0:
+            uncached_mean = load.uncached_tokens_per_s / load.requests_per_s
+            self._prefill_tokens_per_s = self.prefill.tokens_per_second(
+                load.cached_tokens_mean, uncached_mean)
         raw = recommend(load, self.prefill, self.decode, self.targets, self.bounds)
         steady = raw.steady if self.transient_scale_down else None
         settled = Replicas(

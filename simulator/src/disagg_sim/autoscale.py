@@ -1,6 +1,8 @@
 """The planner (disagg_operator.planner, the code the operator runs) driven by simulated time:
 every interval it sees what the cluster saw, and its decision adds instances (serving after
-the profile's start-up delay) or drains them."""
+the profile's start-up delay) or drains them. Between decisions it samples decode's KV and
+prefill's queue every SAMPLE_S, as the operator does; a queue that breaks the TTFT target
+scales up at once."""
 
 from __future__ import annotations
 
@@ -8,7 +10,14 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from disagg_operator.planner import Load, Planner, Recommendation, Replicas, Targets
+from disagg_operator.planner import (
+    SHORTEST_LOAD_WINDOW_S,
+    Load,
+    Planner,
+    Recommendation,
+    Replicas,
+    Targets,
+)
 
 from disagg_sim.cluster import Cluster
 from disagg_sim.simulate import Summary, percentile, summarise
@@ -66,8 +75,7 @@ def observe(cluster: Cluster, since: float, now: float, raw_prompt: bool,
         kv_tokens_demand=kv_demand,
         uncached_tokens_p90=percentile(lengths, 0.9) if lengths else None,
         uncached_tokens_cv2=cv2,
-        queued_uncached_tokens=0.0 if raw_prompt else float(
-            sum(p.expected_tokens for p in cluster.prefills)))
+        queued_uncached_tokens=0.0 if raw_prompt else queued_uncached_tokens(cluster))
 
 
 def kv_demand_now(cluster: Cluster) -> float:
@@ -76,13 +84,22 @@ def kv_demand_now(cluster: Cluster) -> float:
                for d in cluster.decodes)
 
 
-def sample_kv_demand(cluster: Cluster, more: Callable[[], bool]) -> list[float]:
+def queued_uncached_tokens(cluster: Cluster) -> float:
+    """Prompt tokens routed to prefill instances and not computed yet."""
+    return float(sum(p.expected_tokens for p in cluster.prefills))
+
+
+def sample_kv_demand(cluster: Cluster, more: Callable[[], bool],
+                     also: Callable[[], None] | None = None) -> list[float]:
     """KV demand every SAMPLE_S from now while `more()` says so after a sample, as a metrics
-    scrape would see it: the list fills while the cluster's loop runs."""
+    scrape would see it: the list fills while the cluster's loop runs. `also` runs after each
+    sample."""
     samples: list[float] = []
 
     def sample() -> None:
         samples.append(kv_demand_now(cluster))
+        if also is not None:
+            also()
         if more():
             cluster.loop.at(cluster.loop.now + SAMPLE_S, sample)
 
@@ -100,24 +117,46 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
     last_arrival = max((r.arrival for r in requests), default=0.0)
     decisions: list[Decision] = []
     startup = cluster.profile.startup_s
+    last_tick = 0.0
+
+    def current() -> Replicas:
+        return Replicas(cluster.provisioned("prefill"), cluster.provisioned("decode"))
+
+    def apply(now: float, decided: Recommendation, have: Replicas) -> None:
+        for role, count, want in (("prefill", have.prefill, decided.replicas.prefill),
+                                  ("decode", have.decode, decided.replicas.decode)):
+            if want > count:
+                cluster.add(role, want - count, delay=startup)
+            elif want < count:
+                cluster.remove(role, count - want)
+        decisions.append(Decision(now, decided.replicas, decided))
+
+    def urgent() -> None:
+        """Between decisions: a queue that breaks the TTFT target scales up now, on the load
+        since the last decision (the operator's sampler does the same)."""
+        now, have = cluster.loop.now, current()
+        if now - last_tick < SHORTEST_LOAD_WINDOW_S or not planner.queue_breaks_ttft(
+                queued_uncached_tokens(cluster), have.prefill):
+            return
+        load = observe(cluster, last_tick, now, raw_prompt, max(samples[-3:]))
+        if load.requests_per_s > 0:
+            decided = planner.scale_up(load, have)
+            if decided.replicas != have:
+                apply(now, decided, have)
+
     samples = sample_kv_demand(cluster, lambda: cluster.loop.now < last_arrival or any(
-        o.finish is None for o in cluster.outcomes))
+        o.finish is None for o in cluster.outcomes), urgent)
 
     def tick() -> None:
+        nonlocal last_tick
         now = cluster.loop.now
         load = observe(cluster, now - interval_s, now, raw_prompt,
                        percentile(samples, KV_QUANTILE) if samples else None)
         samples.clear()
+        last_tick = now
         if load.requests_per_s > 0:
-            current = Replicas(cluster.provisioned("prefill"), cluster.provisioned("decode"))
-            decided = planner.decide(now, load, current)
-            for role, have, want in (("prefill", current.prefill, decided.replicas.prefill),
-                                     ("decode", current.decode, decided.replicas.decode)):
-                if want > have:
-                    cluster.add(role, want - have, delay=startup)
-                elif want < have:
-                    cluster.remove(role, have - want)
-            decisions.append(Decision(now, decided.replicas, decided))
+            have = current()
+            apply(now, planner.decide(now, load, have), have)
         unfinished = any(o.finish is None for o in cluster.outcomes)
         if now < last_arrival or unfinished:
             cluster.loop.at(now + interval_s, tick)
