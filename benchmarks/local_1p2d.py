@@ -26,7 +26,7 @@ import aiohttp
 from disagg_devtools.local.cli import load, with_tiny_model
 from disagg_devtools.local.metrics import scrape_total
 from disagg_devtools.local.runner import LocalDeployment, RunFolder, local_defaults, stop_recorded
-from disagg_devtools.processes import exit_on_sigterm, free_port
+from disagg_devtools.processes import free_port, isolate_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = aiohttp.ClientTimeout(total=300)
@@ -109,11 +109,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
-    exit_on_sigterm()  # stopped with kill: still stop what it started
-    if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
-        os.environ["DISAGG_BENCH_NETNS"] = "1"
-        os.execvp("unshare", ["unshare", "-n", "sh", "-c",
-                              'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    isolate_benchmark()  # stopped with kill: still stop what it started; own loopback
     with tempfile.TemporaryDirectory(prefix="bench-1p2d-") as scratch:
         folder = RunFolder(Path(scratch))
         name, spec = load(ROOT / "examples" / f"tiny-{args.kind}-1p2d.yaml", None)

@@ -19,7 +19,6 @@ Targets: TTFT p50 within 25%, the computed share within 5 points, the same ranki
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -65,13 +64,9 @@ def main() -> None:
     cli.add_argument("--profile", default="measure",
                      help="`measure` (a profile measured before each run) or a profile name")
     args = cli.parse_args()
-    from disagg_devtools.processes import exit_on_sigterm
+    from disagg_devtools.processes import isolate_benchmark
 
-    exit_on_sigterm()  # stopped with kill: still stop what it started
-    if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
-        os.environ["DISAGG_BENCH_NETNS"] = "1"
-        os.execvp("unshare", ["unshare", "-n", "sh", "-c",
-                              'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    isolate_benchmark()  # stopped with kill: still stop what it started; own loopback
     from disagg_devtools.local.runner import share_cores
     from disagg_devtools.tiny_models import VOCAB
 

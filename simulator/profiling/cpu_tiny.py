@@ -188,13 +188,9 @@ def main() -> None:
                      help="OpenMP threads per engine, unbound, as the replays run them (0: "
                      "vLLM's own binding)")
     args = cli.parse_args()
-    from disagg_devtools.processes import exit_on_sigterm
+    from disagg_devtools.processes import isolate_benchmark
 
-    exit_on_sigterm()  # stopped with kill: still stop what it started
-    if os.getuid() == 0 and not os.environ.get("DISAGG_BENCH_NETNS"):
-        os.environ["DISAGG_BENCH_NETNS"] = "1"
-        os.execvp("unshare", ["unshare", "-n", "sh", "-c",
-                              'ip link set lo up && exec "$0" "$@"', sys.executable, *sys.argv])
+    isolate_benchmark()  # stopped with kill: still stop what it started; own loopback
     from disagg_devtools.local.runner import share_cores
 
     share_cores(args.engine_threads)
