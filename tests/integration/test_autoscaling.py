@@ -6,6 +6,7 @@ through a Deployment's /scale stay when autoscaling.mode is External."""
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 from disagg_devtools.emulator.metric_pages import EnginePage, MetricPagesServer, ProxyPage
 from disagg_devtools.emulator.sandbox import Sandbox
 from disagg_devtools.etcd_process import EtcdProcess
+from disagg_operator import autoscaler as autoscaler_module
 from disagg_operator.handlers import OperatorConfig
 from disagg_operator.spec import PLURAL
 
@@ -50,7 +52,8 @@ def config(etcd: EtcdProcess, pages: MetricPagesServer) -> OperatorConfig:
         debounce_seconds=0.02, error_backoff_seconds=(0.2,), etcd_health_ttl_seconds=0.1,
         etcd_address_overrides={managed_etcd("dsv2-lite"): etcd.endpoint},
         metrics_address_overrides={
-            f"{ip}:{8000}": pages.address(name) for name, (_, ip) in PODS.items()})
+            f"{ip}:{8000}": pages.address(name) for name, (_, ip) in PODS.items()},
+        planner_sample_seconds=0.5)
 
 
 def add_pods(cluster: Sandbox) -> None:
@@ -108,6 +111,48 @@ async def test_the_planner_scales_decode_on_kv_demand_and_patches_only_decode(
     assert api.dsv("dsv2-lite")["spec"]["decode"]["replicas"] == 2  # type: ignore[index]
     await api.wait(lambda: any("planner: decode 2 -> 5" in e.get("message", "")
                                for e in api.events("Autoscaled")), "an Autoscaled event")
+
+
+async def test_a_prefill_queue_past_the_ttft_target_scales_prefill_before_the_interval(
+        cluster: Sandbox, api: Api, pages: MetricPagesServer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between two decisions the operator samples the engines; a prefill queue that alone
+    breaks the TTFT target scales prefill up at once, and the reconcile it wakes applies it,
+    long before the next interval."""
+    monkeypatch.setattr(autoscaler_module, "SHORTEST_LOAD_WINDOW_S", 1.0)  # the test's pace
+    body = copy.deepcopy(example("deepseek-v2-lite-1p2d.yaml"))
+    body["spec"]["autoscaling"] = {
+        "mode": "Planner", "ttftP90Seconds": 2.0, "itlP90Seconds": 0.05,
+        "intervalSeconds": 10, "profile": PROFILE, "prefill": {"maxReplicas": 8}}
+    add_pods(cluster)
+    prefill = pages.pages["dsv2-lite-prefill-a"]
+    assert isinstance(prefill, EnginePage)
+    await api.create(body)
+    await api.wait(lambda: "before deciding" in autoscaling(api).get("reason", ""),
+                   "the first scrape")
+    decode = pages.pages["dsv2-lite-decode-a"]
+    assert isinstance(decode, EnginePage)
+
+    def serve(prompts: int) -> None:
+        for _ in range(prompts):
+            prefill.served(prompt=1000, computed=1000, output=1, itl_s=0.0)
+            decode.served(prompt=1000, computed=0, output=4, itl_s=0.02)
+
+    serve(20)  # 20 prompts of 1,000 tokens in the first interval
+    await api.wait(lambda: "uncached tokens/s" in autoscaling(api).get("reason", ""),
+                   "the first decision", timeout=20)
+    decided = time.monotonic()
+    assert autoscaling(api)["prefill"]["desired"] == 1
+    # About 9,000 prompt tokens a second per instance (0.05 s + 1e-4 s a token for 8,192-
+    # token steps): 40 queued prompts of 1,000 tokens wait about 4.4 s, over the 2 s target.
+    serve(100)
+    prefill.waiting.set(40)
+    await api.wait(lambda: ((api.get("deployments", "dsv2-lite-prefill") or {})
+                            .get("spec", {}).get("replicas") or 1) > 1,
+                   "prefill scaled up", timeout=20)
+    assert time.monotonic() - decided < 10  # before the next decision
+    await api.wait(lambda: "queue breaks the TTFT target" in autoscaling(api)["reason"],
+                   "the status to say why")
 
 
 async def test_an_external_scalers_count_stays(cluster: Sandbox, api: Api) -> None:

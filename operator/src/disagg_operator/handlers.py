@@ -50,6 +50,8 @@ class OperatorConfig:
     metrics_port: int | None = None
     # Pod host:port -> host:port for the planner's metrics scrapes (tests: loopback servers).
     metrics_address_overrides: Mapping[str, str] = field(default_factory=dict)
+    # How often the planner samples the engines between its decisions.
+    planner_sample_seconds: float = SAMPLE_SECONDS
     operator_namespace: str | None = None  # where its pod runs; None: outside the cluster
     # With several replicas: only the holder of the Lease `lease_name` in `lease_namespace`
     # reconciles; one that loses it sets `stop_flag` (kopf's) and exits, to restart as standby.
@@ -115,7 +117,8 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         operator_namespace=config.operator_namespace,
         autoscaler=Autoscaler(
             PodMetricsScraper(address_overrides=config.metrics_address_overrides),
-            time.monotonic, utcnow, sample_seconds=SAMPLE_SECONDS, wake=wakeboard.wake))
+            time.monotonic, utcnow, sample_seconds=config.planner_sample_seconds,
+            wake=wakeboard.wake))
     if config.leader_election is None:
         leading = asyncio.Event()
         leading.set()
