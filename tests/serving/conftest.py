@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ import torch
 from aiohttp import web
 from disagg_devtools.master_process import MooncakeMaster
 from disagg_devtools.processes import free_port
+from disagg_devtools.vllm_cpu_kernels import ENV as CPU_KERNELS_ENV
 from kvhelper.discovery import StaticDiscovery
 from kvhelper.layout import ModelKVSpec
 from kvhelper.proxy.app import Proxy, ProxyConfig
@@ -19,6 +21,10 @@ from kvhelper.store import MooncakeConfig, MooncakeKVStore
 from .fake_vllm import FakeVLLM
 
 StartProxy = Callable[..., Awaitable[str]]
+
+# Every vLLM these tests start runs the CPU build's vector kernels, on CPUs with AMX too
+# (disagg_devtools/vllm_cpu_kernels.py says why).
+os.environ.setdefault(CPU_KERNELS_ENV, "vector")
 
 
 def gqa_spec(heads: int = 2, head_dim: int = 64, block: int = 16, tp: int = 1,

@@ -80,8 +80,10 @@ def main() -> None:
     tp = request.get("tensor_parallel_size", 1)
     if tp > 1:
         bind_workers(tp)
+    from disagg_devtools.vllm_cpu_kernels import register
     from vllm import LLM, SamplingParams
 
+    register()  # vLLM loads it too, but a forked job may inherit "plugins already loaded"
     prefix_caching = bool(request.get("warm_prefix_cache") or request.get("prefix_caching"))
     if prefix_caching:
         keep_prefix_caching_on()
