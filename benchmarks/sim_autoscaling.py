@@ -6,7 +6,9 @@ prompt tokens instead of uncached ones, and AIConfigurator's disaggregated picks
    targets), and the planner (target: meet them with at most 10% more instances);
 2. the rate-step transform 0:1,1200:3,2400:0.5: a static configuration sized for the peak
    (the fewest instances with at least 95% of requests within both targets), and the planner
-   (target: SLO attainment >= 95% on <= 70% of that static's instance-hours).
+   (target: SLO attainment >= 95% on <= 70% of that static's instance-hours); beside them,
+   what a schedule that knew the steps in advance would run (each phase the fewest instances
+   serving 95% of its requests within both targets, switched at the step, serving at once).
 
     .venv/bin/python benchmarks/sim_autoscaling.py        # about two minutes
 """
@@ -21,7 +23,15 @@ from pathlib import Path
 import yaml
 from disagg_operator.planner import Bounds, Replicas, Targets
 from disagg_sim.autoscale import Decision
-from disagg_sim.evaluation import Run, best_static, planner_run, static_run, sweep
+from disagg_sim.evaluation import (
+    Run,
+    best_static,
+    known_steps,
+    planner_run,
+    scheduled_run,
+    static_run,
+    sweep,
+)
 from disagg_sim.profile import load_profile
 from disagg_sim.simulate import fmt
 from disagg_sim.trace import (
@@ -97,7 +107,8 @@ def main() -> None:
     rows = read_trace(args.trace)
     configs = [(p, d) for p in range(1, args.max_prefill + 1)
                for d in range(1, args.max_decode + 1)]
-    stepped = apply_rate_steps(rows, parse_rate_steps(args.rate_steps))
+    steps = parse_rate_steps(args.rate_steps)
+    stepped = apply_rate_steps(rows, steps)
     workloads = {"recorded trace": to_requests(rows, arrivals=scaled_arrivals(rows)),
                  f"rate steps {args.rate_steps}": to_requests(
                      stepped, arrivals=scaled_arrivals(stepped))}
@@ -139,7 +150,15 @@ def main() -> None:
                                f"{pick['prefill']}P{pick['decode']}D", run.summary,
                                run.instances), targets, best))
         if name != "recorded trace" and peak is not None:
-            for run in (plan, *quicker):
+            picks = known_steps(profile, requests, "store-aware", targets,
+                                [step.second for step in steps], Replicas(
+                                    peak.summary.prefills, peak.summary.decodes), PEAK_SLO)
+            summary, _ = scheduled_run(profile, requests, "store-aware", picks, targets)
+            known = Run("steps known, serving at once", summary,
+                        summary.instance_hours / (summary.makespan / 3600))
+            print(line(known, targets, best) + "   <- " + ", ".join(
+                f"{r.prefill}P{r.decode}D from {at:g}s" for at, r in picks))
+            for run in (plan, *quicker, known):
                 share = run.summary.instance_hours / peak.summary.instance_hours
                 within = run.summary.requests_within or 0
                 met = share <= 0.7 and within >= PEAK_SLO

@@ -8,8 +8,15 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from disagg_operator.planner import SHORTEST_LOAD_WINDOW_S, Bounds, Targets
-from disagg_sim.evaluation import best_static, planner_run, sweep
+from disagg_operator.planner import SHORTEST_LOAD_WINDOW_S, Bounds, Replicas, Targets
+from disagg_sim.evaluation import (
+    best_static,
+    known_steps,
+    planner_run,
+    scheduled_run,
+    sweep,
+    within_between,
+)
 from disagg_sim.profile import load_profile
 from disagg_sim.trace import (
     apply_rate_steps,
@@ -60,3 +67,27 @@ def test_a_rate_step_up_is_answered_between_decisions() -> None:
     first_up = next(d for d in decisions if d.at > 1200 and d.replicas.prefill > before)
     assert "queue breaks the TTFT target" in first_up.recommendation.reason
     assert first_up.at <= 1200 + SHORTEST_LOAD_WINDOW_S  # the next decision is at 1260
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the trace lives in ../shared/traces")
+def test_a_schedule_that_knows_the_steps_picks_each_phases_fewest_instances() -> None:
+    """The known-steps reference of the autoscaling benchmark: per phase the fewest instances
+    serving the goal share of its requests within both targets; one fewer prefill instance
+    in any phase misses it there."""
+    profile = load_profile("deepseek-v3-h200")
+    rows = apply_rate_steps(read_trace(TRACE), parse_rate_steps("0:1,300:3"))
+    requests = [r for r in to_requests(rows, arrivals=scaled_arrivals(rows)) if r.arrival < 600]
+    picks = known_steps(profile, requests, "store-aware", TARGETS, [0, 300], Replicas(16, 4),
+                        0.9)
+    assert [at for at, _ in picks] == [0, 300]
+    low, high = picks[0][1], picks[1][1]
+    assert high.prefill + high.decode > low.prefill + low.decode  # 3x needs more
+    _, cluster = scheduled_run(profile, requests, "store-aware", picks, TARGETS)
+    for start, end in ((0, 300), (300, 600)):
+        assert within_between(cluster.outcomes, TARGETS, start, end) >= 0.9
+    for phase, (start, replicas) in enumerate(picks):
+        fewer = [*picks]
+        fewer[phase] = (start, Replicas(replicas.prefill - 1, replicas.decode))
+        _, short = scheduled_run(profile, requests, "store-aware", fewer, TARGETS)
+        end = picks[phase + 1][0] if phase + 1 < len(picks) else 600
+        assert within_between(short.outcomes, TARGETS, start, end) < 0.9

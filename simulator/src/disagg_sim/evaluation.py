@@ -3,6 +3,7 @@ planner run, and the comparison the autoscaling benchmark prints."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -16,9 +17,9 @@ from disagg_sim.autoscale import (
     sample_kv_demand,
     simulate_autoscaled,
 )
-from disagg_sim.cluster import Cluster
+from disagg_sim.cluster import Cluster, Outcome
 from disagg_sim.profile import Profile
-from disagg_sim.simulate import Summary, percentile, simulate
+from disagg_sim.simulate import Summary, percentile, simulate, summarise
 from disagg_sim.trace import Request
 
 
@@ -94,3 +95,76 @@ def planner_run(profile: Profile, requests: Sequence[Request], policy: str, targ
     span = summary.makespan / 3600 or 1.0
     label = "planner (raw prompt tokens)" if raw_prompt else "planner"
     return Run(label, summary, summary.instance_hours / span), decisions
+
+
+Schedule = Sequence[tuple[float, Replicas]]  # from each second on, these replicas
+
+
+def scheduled_run(profile: Profile, requests: Sequence[Request], policy: str,
+                  schedule: Schedule, targets: Targets) -> tuple[Summary, Cluster]:
+    """A run whose instance counts change at fixed times (instances serve at once; those
+    taken away drain), as a planner that knew the load in advance would set them."""
+    cluster = Cluster(profile, policy, requests[0].block_tokens if requests else 512)
+    first = schedule[0][1]
+    cluster.add("prefill", first.prefill)
+    cluster.add("decode", first.decode)
+    for request in requests:
+        cluster.submit(request)
+
+    def resize(replicas: Replicas) -> None:
+        for role, want in (("prefill", replicas.prefill), ("decode", replicas.decode)):
+            have = cluster.provisioned(role)
+            if want > have:
+                cluster.add(role, want - have)
+            elif want < have:
+                cluster.remove(role, have - want)
+
+    for at, replicas in schedule[1:]:
+        cluster.loop.at(at, functools.partial(resize, replicas))
+    cluster.loop.run()
+    cluster.finish_accounting()
+    return summarise(cluster, first.prefill, first.decode, targets), cluster
+
+
+def within_between(outcomes: Sequence[Outcome], targets: Targets, start: float, end: float
+                   ) -> float:
+    """The share of the requests arriving in [start, end) that met both targets."""
+    members = [o for o in outcomes if start <= o.request.arrival < end]
+    met = sum(o.finish is not None and o.ttft <= targets.ttft_p90_s
+              and (o.request.output_tokens <= 1 or o.itl <= targets.itl_p90_s)
+              for o in members)
+    return met / len(members) if members else 1.0
+
+
+def known_steps(profile: Profile, requests: Sequence[Request], policy: str, targets: Targets,
+                starts: Sequence[float], largest: Replicas, goal: float
+                ) -> list[tuple[float, Replicas]]:
+    """For each phase (from each of `starts` to the next), the fewest instances that serve
+    `goal` of the phase's requests within both targets, the phases before it at their own
+    picks (and the requests after it left out): what a planner that knew every step in
+    advance, and whose instances served at once, would run. `starts[0]` is 0. Per decode
+    count, prefill is found by bisection (more prefill instances never serve fewer within the
+    targets)."""
+    picks: list[tuple[float, Replicas]] = []
+    ends = [*starts[1:], float("inf")]
+    for start, end in zip(starts, ends, strict=True):
+        phase = [r for r in requests if r.arrival < end]
+
+        def enough(replicas: Replicas, start: float = start, end: float = end,
+                   phase: Sequence[Request] = phase) -> bool:
+            schedule = [*picks, (start, replicas)] if picks else [(start, replicas)]
+            _, cluster = scheduled_run(profile, phase, policy, schedule, targets)
+            return within_between(cluster.outcomes, targets, start, end) >= goal
+
+        best = largest
+        for decode in range(1, largest.decode + 1):
+            if not enough(Replicas(largest.prefill, decode)):
+                continue
+            low, high = 0, largest.prefill  # `high` is enough, `low` is not
+            while high - low > 1:
+                middle = (low + high) // 2
+                low, high = (low, middle) if enough(Replicas(middle, decode)) else (middle, high)
+            if high + decode < best.prefill + best.decode:
+                best = Replicas(high, decode)
+        picks.append((start, best))
+    return picks
