@@ -122,13 +122,9 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
     def current() -> Replicas:
         return Replicas(cluster.provisioned("prefill"), cluster.provisioned("decode"))
 
-    def apply(now: float, decided: Recommendation, have: Replicas) -> None:
-        for role, count, want in (("prefill", have.prefill, decided.replicas.prefill),
-                                  ("decode", have.decode, decided.replicas.decode)):
-            if want > count:
-                cluster.add(role, want - count, delay=startup)
-            elif want < count:
-                cluster.remove(role, count - want)
+    def apply(now: float, decided: Recommendation) -> None:
+        cluster.resize("prefill", decided.replicas.prefill, delay=startup)
+        cluster.resize("decode", decided.replicas.decode, delay=startup)
         decisions.append(Decision(now, decided.replicas, decided))
 
     def urgent() -> None:
@@ -142,7 +138,7 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
         if load.requests_per_s > 0:
             decided = planner.scale_up(load, have)
             if decided.replicas != have:
-                apply(now, decided, have)
+                apply(now, decided)
 
     samples = sample_kv_demand(cluster, lambda: cluster.loop.now < last_arrival or any(
         o.finish is None for o in cluster.outcomes), urgent)
@@ -156,7 +152,7 @@ def simulate_autoscaled(cluster: Cluster, requests: Sequence[Request], planner: 
         last_tick = now
         if load.requests_per_s > 0:
             have = current()
-            apply(now, planner.decide(now, load, have), have)
+            apply(now, planner.decide(now, load, have))
         unfinished = any(o.finish is None for o in cluster.outcomes)
         if now < last_arrival or unfinished:
             cluster.loop.at(now + interval_s, tick)

@@ -117,6 +117,15 @@ class Cluster:
             instance.draining = True
         self._reap()
 
+    def resize(self, role: str, count: int, delay: float = 0.0) -> None:
+        """Add or take away instances of `role` until `count` are provisioned (new ones serve
+        after `delay`)."""
+        have = self.provisioned(role)
+        if count > have:
+            self.add(role, count - have, delay)
+        elif count < have:
+            self.remove(role, have - count)
+
     def _reap(self) -> None:
         for role, pool in (("prefill", self.prefills), ("decode", self.decodes)):
             for instance in [i for i in pool if i.draining and i.idle]:

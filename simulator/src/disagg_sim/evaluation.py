@@ -19,7 +19,7 @@ from disagg_sim.autoscale import (
 )
 from disagg_sim.cluster import Cluster, Outcome
 from disagg_sim.profile import Profile
-from disagg_sim.simulate import Summary, percentile, simulate, summarise
+from disagg_sim.simulate import Summary, meets_targets, percentile, simulate, summarise
 from disagg_sim.trace import Request
 
 
@@ -112,12 +112,8 @@ def scheduled_run(profile: Profile, requests: Sequence[Request], policy: str,
         cluster.submit(request)
 
     def resize(replicas: Replicas) -> None:
-        for role, want in (("prefill", replicas.prefill), ("decode", replicas.decode)):
-            have = cluster.provisioned(role)
-            if want > have:
-                cluster.add(role, want - have)
-            elif want < have:
-                cluster.remove(role, have - want)
+        cluster.resize("prefill", replicas.prefill)
+        cluster.resize("decode", replicas.decode)
 
     for at, replicas in schedule[1:]:
         cluster.loop.at(at, functools.partial(resize, replicas))
@@ -130,10 +126,7 @@ def within_between(outcomes: Sequence[Outcome], targets: Targets, start: float, 
                    ) -> float:
     """The share of the requests arriving in [start, end) that met both targets."""
     members = [o for o in outcomes if start <= o.request.arrival < end]
-    met = sum(o.finish is not None and o.ttft <= targets.ttft_p90_s
-              and (o.request.output_tokens <= 1 or o.itl <= targets.itl_p90_s)
-              for o in members)
-    return met / len(members) if members else 1.0
+    return sum(meets_targets(o, targets) for o in members) / len(members) if members else 1.0
 
 
 def known_steps(profile: Profile, requests: Sequence[Request], policy: str, targets: Targets,

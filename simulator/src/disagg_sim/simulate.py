@@ -77,9 +77,7 @@ def summarise(cluster: Cluster, prefills: int, decodes: int, targets: Targets | 
     prompt = sum(o.request.prompt_tokens for o in cluster.outcomes) or 1
     slo = within = None
     if targets is not None and done:
-        within = sum(o.ttft <= targets.ttft_p90_s and (o.request.output_tokens <= 1
-                                                       or o.itl <= targets.itl_p90_s)
-                     for o in done) / len(cluster.outcomes)
+        within = sum(meets_targets(o, targets) for o in done) / len(cluster.outcomes)
         slo = window_attainment(cluster.outcomes, targets)
     return Summary(
         cluster.policy, prefills, decodes, len(cluster.outcomes), len(done),
@@ -91,6 +89,12 @@ def summarise(cluster: Cluster, prefills: int, decodes: int, targets: Targets | 
         sum(o.route == "skip_prefill" for o in cluster.outcomes),
         sum(cluster.instance_seconds.values()) / 3600, slo, within, cluster.store.evicted,
         cluster.loop.now)
+
+
+def meets_targets(outcome: Outcome, targets: Targets) -> bool:
+    """The request finished, its TTFT and (with more than one output token) its ITL within."""
+    return (outcome.finish is not None and outcome.ttft <= targets.ttft_p90_s
+            and (outcome.request.output_tokens <= 1 or outcome.itl <= targets.itl_p90_s))
 
 
 def phase_means(outcomes: Sequence[Outcome], lookup_s: float = 0.0) -> dict[str, float]:
