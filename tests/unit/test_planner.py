@@ -9,11 +9,14 @@ from disagg_operator.performance import DecodeModel, PrefillModel
 from disagg_operator.planner import (
     FAST_DROP_DECISIONS,
     FAST_DROP_SHARE,
+    MIN_UTILISATION,
+    QUEUE_WAIT_FLOOR_SHARE,
     Bounds,
     Load,
     Planner,
     Replicas,
     Targets,
+    prefill_need,
     recommend,
 )
 from hypothesis import given, settings
@@ -191,19 +194,21 @@ def test_a_backlog_is_not_counted_twice_through_the_latency_it_causes() -> None:
 
 
 def test_a_queue_that_breaks_the_ttft_target_scales_up_between_decisions() -> None:
-    """The queue's wait is read at the throughput of the last decision's prompts; past the
-    TTFT target it calls for a scale-up now, which adds instances and never removes any, and
-    which the scale-down window does not remember."""
+    """The queue's wait is read at the throughput of the last decision's prompts; past what
+    the TTFT target leaves after the p90 prompt's own prefill it calls for a scale-up now,
+    which adds instances and never removes any, and which the scale-down window does not
+    remember."""
     bounds = Bounds(1, 64, 1, 64)
     planner = Planner(PREFILL, DECODE, TARGETS, bounds, scale_down_window_s=600)
     assert planner.queue_wait_s(1e9, 1) is None  # no decision yet: no throughput known
     assert not planner.queue_breaks_ttft(1e9, 1)
-    quiet = dataclasses.replace(BUSY, requests_per_s=0.5, uncached_tokens_per_s=5_000)
+    quiet = dataclasses.replace(BUSY, requests_per_s=0.5, uncached_tokens_per_s=5_000,
+                                uncached_tokens_p90=16_000)
     low = planner.decide(0, quiet, Replicas(1, 1)).replicas
-    per_instance = PREFILL.tokens_per_second(0, 10_000)  # the quiet prompts' length
-    at_target = TARGETS.ttft_p90_s * per_instance * low.prefill
-    assert planner.queue_wait_s(at_target, low.prefill) == \
-        pytest.approx(TARGETS.ttft_p90_s)
+    per_instance = PREFILL.tokens_per_second(0, 10_000)  # the quiet prompts' mean length
+    budget = TARGETS.ttft_p90_s - PREFILL.prompt_seconds(16_000)
+    at_target = budget * per_instance * low.prefill
+    assert planner.queue_wait_s(at_target, low.prefill) == pytest.approx(budget)
     assert not planner.queue_breaks_ttft(at_target * 0.99, low.prefill)
     assert planner.queue_breaks_ttft(at_target * 1.01, low.prefill)
     # More instances work the same queue off sooner.
@@ -218,3 +223,32 @@ def test_a_queue_that_breaks_the_ttft_target_scales_up_between_decisions() -> No
     assert planner.scale_up(quiet, Replicas(9, 9)).replicas == Replicas(9, 9)  # never down
     # Not recorded: the next decision on a quiet interval may go back down at once.
     assert planner.decide(60, quiet, up.replicas).replicas.prefill == up.replicas.prefill - 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(loads, st.floats(0, 60_000), st.floats(1.01, 3))
+def test_a_longer_p90_prompt_never_needs_fewer_or_unboundedly_many_prefill_instances(
+        load: Load, p90: float, factor: float) -> None:
+    """More instances cannot make one long prompt faster: as the p90 prompt's own prefill
+    time nears the TTFT target, prefill is sized no busier than the floor the planner uses for
+    a prompt past the target, never for an idle queue (needs in the thousands)."""
+    shorter = dataclasses.replace(load, uncached_tokens_p90=p90)
+    longer = dataclasses.replace(load, uncached_tokens_p90=p90 * factor)
+    short_need, _ = prefill_need(shorter, PREFILL, TARGETS.ttft_p90_s)
+    long_need, _ = prefill_need(longer, PREFILL, TARGETS.ttft_p90_s)
+    assert long_need >= short_need * (1 - 1e-9)
+    capacity = PREFILL.tokens_per_second(load.cached_tokens_mean, load.uncached_tokens_per_s
+                                         / load.requests_per_s)
+    assert long_need <= load.uncached_tokens_per_s / (capacity * MIN_UTILISATION) * (1 + 1e-9)
+
+
+def test_a_queue_may_wait_at_least_a_share_of_the_target_when_the_p90_prompt_fills_it() -> None:
+    planner = Planner(PREFILL, DECODE, TARGETS, Bounds(1, 64, 1, 64))
+    long = dataclasses.replace(BUSY, uncached_tokens_p90=60_000)  # alone past the target
+    assert PREFILL.prompt_seconds(60_000) > TARGETS.ttft_p90_s
+    planner.decide(0, long, Replicas(4, 4))
+    per_instance = PREFILL.tokens_per_second(0, BUSY.uncached_tokens_per_s
+                                             / BUSY.requests_per_s)
+    floor = QUEUE_WAIT_FLOOR_SHARE * TARGETS.ttft_p90_s * per_instance * 4
+    assert not planner.queue_breaks_ttft(floor * 0.99, 4)
+    assert planner.queue_breaks_ttft(floor * 1.01, 4)

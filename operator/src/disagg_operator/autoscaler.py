@@ -8,8 +8,8 @@ planner would need its own RBAC to patch them and a second writer of the same co
 
 Between decisions a task samples prefill and decode every `sample_seconds` (5 s, as the
 simulator's driver does): decode's KV, so that the decision sizes decode for the interval's
-busy moments, not for the one moment of its scrape; and prefill's queue, which, when it alone
-would make the next prompt wait past the TTFT target, scales up at once (`Planner.scale_up`)
+busy moments, not for the one moment of its scrape; and prefill's queue, which, when it would
+make a p90 prompt arriving now miss the TTFT target, scales up at once (`Planner.scale_up`)
 and wakes the object's reconcile to apply it.
 
 The decision lives in the operator's memory and in `status.autoscaling` (read back after a

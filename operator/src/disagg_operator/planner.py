@@ -9,8 +9,8 @@ prefix caches do not already hold), decode on concurrent sequences and their con
   utilisation rho, a mean wait of rho / (1 - rho) * (1 + cv2) / 2 mean services (M/G/1,
   cv2 the squared coefficient of variation of prompt lengths), and its 90th percentile about
   2.3 times that; the largest rho whose p90 prompt's prefill time plus that wait fits the
-  TTFT target sets the replicas: demand / (mu * rho), the demand counting a backlog of
-  queued prompt tokens to be worked off within BACKLOG_DRAIN_S.
+  TTFT target (but at least MIN_UTILISATION) sets the replicas: demand / (mu * rho), the
+  demand counting a backlog of queued prompt tokens to be worked off within BACKLOG_DRAIN_S.
 - decode: the largest batch whose step fits the ITL target (and the KV space) sets how many
   sequences one instance holds; Little's law gives the concurrent sequences. The KV tokens
   running and queued sequences want, over the instances' KV space kept KV_HEADROOM full,
@@ -21,7 +21,7 @@ prefix caches do not already hold), decode on concurrent sequences and their con
   clamped to their bounds, kept in the P:D ratio band, and stabilised: a scale-down waits until
   every recommendation within the window agrees (or the last few all ask for far fewer: the
   load changed), and removes at most `scale_down_step`.
-- between decisions, a prefill queue that alone would make the next prompt wait past the TTFT
+- between decisions, a prefill queue that would make a p90 prompt arriving now miss the TTFT
   target scales up at once (`Planner.scale_up`), instead of at the next interval.
 """
 
@@ -36,6 +36,10 @@ from disagg_operator.performance import DecodeModel, PrefillModel
 # The 90th percentile of an exponential-tailed wait, in means (ln 10).
 P90_OF_MEAN = 2.3
 MAX_UTILISATION = 0.95
+# No busier than this when the p90 prompt's own prefill time leaves little or none of the TTFT
+# target to queue in: more instances cannot make that prompt faster, and sizing for a queue
+# that is idle almost always asked for instances by the hundred.
+MIN_UTILISATION = 0.5
 MAX_CORRECTION = 1.5
 MAX_CV2 = 1.0
 # A prefill backlog is sized to be worked off within this long, on top of the arrivals.
@@ -52,6 +56,10 @@ KV_HEADROOM = 0.7
 # changed (a rate step down), and only those recommendations hold the count.
 FAST_DROP_DECISIONS = 3
 FAST_DROP_SHARE = 0.7
+# Between decisions, a queue may add at least this share of the TTFT target before it calls
+# for a scale-up, even where the p90 prompt's own prefill takes the whole target: shorter
+# queues are ordinary batching.
+QUEUE_WAIT_FLOOR_SHARE = 0.25
 # A load measured over less than this is too noisy to scale on between decisions.
 SHORTEST_LOAD_WINDOW_S = 20.0
 
@@ -111,6 +119,13 @@ class Recommendation:
     steady: Replicas | None = None
 
 
+def p90_prompt_seconds(load: Load, model: PrefillModel) -> float:
+    """The p90 uncached prompt's own prefill time, alone on an instance."""
+    uncached_mean = load.uncached_tokens_per_s / max(load.requests_per_s, 1e-9)
+    return model.prompt_seconds(max(uncached_mean, load.uncached_tokens_p90 or 0.0),
+                                load.cached_tokens_mean)
+
+
 def prefill_need(load: Load, model: PrefillModel, ttft_target: float,
                  backlog_drain_s: float | None = BACKLOG_DRAIN_S) -> tuple[float, str]:
     """Prefill instances for the load; `backlog_drain_s` None leaves the backlog out."""
@@ -119,17 +134,16 @@ def prefill_need(load: Load, model: PrefillModel, ttft_target: float,
         return 0.0, "no prefill work"
     uncached_mean = load.uncached_tokens_per_s / max(load.requests_per_s, 1e-9)
     service = model.prompt_seconds(uncached_mean, load.cached_tokens_mean)
-    slow = model.prompt_seconds(max(uncached_mean, load.uncached_tokens_p90 or 0.0),
-                                load.cached_tokens_mean)
+    slow = p90_prompt_seconds(load, model)
     note = ""
     if slow >= ttft_target:
-        rho, note = 0.5, (f"; a p90 prompt alone takes {slow:.2f}s, over the TTFT target "
-                          f"{ttft_target:g}s")
+        rho, note = MIN_UTILISATION, (f"; a p90 prompt alone takes {slow:.2f}s, over the TTFT "
+                                      f"target {ttft_target:g}s")
     else:
         # Pollaczek-Khinchine: mean wait = rho / (1 - rho) * service * (1 + cv2) / 2.
         spread = (1 + min(load.uncached_tokens_cv2, MAX_CV2)) / 2
         headroom = (ttft_target - slow) / (P90_OF_MEAN * service * spread)
-        rho = min(MAX_UTILISATION, headroom / (1 + headroom))
+        rho = max(MIN_UTILISATION, min(MAX_UTILISATION, headroom / (1 + headroom)))
     capacity = model.tokens_per_second(load.cached_tokens_mean, uncached_mean) * rho
     backlog = 0.0 if backlog_drain_s is None else load.queued_uncached_tokens / backlog_drain_s
     need = (load.uncached_tokens_per_s + backlog) / capacity
@@ -245,8 +259,9 @@ class Planner:
         self._stabilisers = {role: Stabiliser(self.scale_down_window_s, self.scale_down_step)
                              for role in ("prefill", "decode")}
         # One saturated prefill instance's prompt tokens per second, for the last decision's
-        # prompts (their cached and uncached lengths).
+        # prompts (their cached and uncached lengths), and its p90 prompt's own prefill time.
         self._prefill_tokens_per_s: float | None = None
+        self._slow_prompt_s = 0.0
 
     def seed(self, now: float, role: str, count: int) -> None:
         self._stabilisers[role].seed(now, count)
@@ -259,11 +274,17 @@ class Planner:
             return None
         return queued_uncached_tokens / (max(prefill_instances, 1) * self._prefill_tokens_per_s)
 
+    def queue_budget_s(self) -> float:
+        """The wait a queue may add: what the TTFT target leaves after the last decision's p90
+        prompt's own prefill, at least QUEUE_WAIT_FLOOR_SHARE of the target."""
+        target = self.targets.ttft_p90_s
+        return max(target - self._slow_prompt_s, QUEUE_WAIT_FLOOR_SHARE * target)
+
     def queue_breaks_ttft(self, queued_uncached_tokens: float, prefill_instances: int) -> bool:
-        """The queue alone makes the next prompt wait past the TTFT target: a driver then
-        asks `scale_up` now rather than waiting for the next interval."""
+        """The queue makes a p90 prompt arriving now miss the TTFT target: a driver then asks
+        `scale_up` now rather than waiting for the next interval."""
         wait = self.queue_wait_s(queued_uncached_tokens, prefill_instances)
-        return wait is not None and wait > self.targets.ttft_p90_s
+        return wait is not None and wait > self.queue_budget_s()
 
     def scale_up(self, load: Load, current: Replicas) -> Recommendation:
         """Between decisions: the load so far's recommendation where it adds instances, the
@@ -281,6 +302,7 @@ class Planner:
             uncached_mean = load.uncached_tokens_per_s / load.requests_per_s
             self._prefill_tokens_per_s = self.prefill.tokens_per_second(
                 load.cached_tokens_mean, uncached_mean)
+            self._slow_prompt_s = p90_prompt_seconds(load, self.prefill)
         raw = recommend(load, self.prefill, self.decode, self.targets, self.bounds)
         steady = raw.steady if self.transient_scale_down else None
         settled = Replicas(
