@@ -1,6 +1,6 @@
 """The planner in the simulator on the whole recorded trace and its rate-step transform: a small
-in-CI version of benchmarks/sim_autoscaling.py that asserts its figures (a few static configurations around
-the best instead of the whole sweep)."""
+in-CI version of benchmarks/sim_autoscaling.py that asserts its figures (a few static
+configurations around the best instead of the whole sweep)."""
 
 from __future__ import annotations
 
