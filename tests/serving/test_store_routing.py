@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from kvhelper.discovery import StaticDiscovery
 from kvhelper.proxy.brief_wait import BriefWait
+from kvhelper.proxy.held_prefixes import HeldPrefixes
 from kvhelper.proxy.prompt_blocks import BlockHasher, PromptTokenizer, TokenizerSource
 from kvhelper.proxy.store_routing import StoreRouter
 from kvhelper.stored_prefix import KeySpace
@@ -216,18 +217,25 @@ async def test_the_proxy_checks_its_hash_against_prefills(tokenizer_source, back
     assert 'disagg_proxy_prompt_hash_checks_total{result="disagree"} 1.0' in text
 
 
-async def test_prefill_goes_to_the_instance_with_the_fewest_tokens_to_compute(
-        tokenizer_source, backends, start_proxy):
-    lookup = FakeLookup()
+async def two_prefills(tokenizer_source: TokenizerSource, backends: Any, start_proxy: Any,
+                       lookup: FakeLookup, **prefill: Any) -> tuple[list[Any], str]:
+    """Two prefill instances and one decode behind a store-routing proxy that has learned
+    their key space (one request sent)."""
     params = load_from_store(BLOCK, "h", IDENTITY) | {KEY_SPACE_KEY: SPACE.to_json()}
-    prefills = [await backends(f"p{i}", prefill_params=params, prefill_delay=1.0)
-                for i in range(2)]
+    prefills = [await backends(f"p{i}", prefill_params=params, **prefill) for i in range(2)]
     decode = await backends("d0")
     router = StoreRouter(tokenizer_source, lookup)
     proxy = await start_proxy([], [], discovery=StaticDiscovery(
         [p.url for p in prefills], [decode.url], model="tiny"), router=router)
     await asyncio.wait_for(router.ready.wait(), 60)
     await post(f"{proxy}/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 1})
+    return prefills, proxy
+
+
+async def test_prefill_goes_to_the_instance_with_the_fewest_tokens_to_compute(
+        tokenizer_source, backends, start_proxy):
+    prefills, proxy = await two_prefills(tokenizer_source, backends, start_proxy,
+                                         FakeLookup(), prefill_delay=1.0)
     long = {"model": "tiny", "prompt": PROMPT * 4, "max_tokens": 1}
     short = {"model": "tiny", "prompt": "one two", "max_tokens": 1}
     # While one instance computes a long prompt, the short ones all go to the other (by
@@ -240,6 +248,39 @@ async def test_prefill_goes_to_the_instance_with_the_fewest_tokens_to_compute(
                                                for r in p.requests)]
     (other,) = [p for p in prefills if p is not took_long]
     assert [r["prompt"] for r in other.requests].count(short["prompt"]) == 3
+
+
+async def test_a_prompt_goes_to_the_prefill_instance_that_holds_its_prefix(
+        tokenizer_source, backends, start_proxy):
+    """Of idle prefill instances, the one the proxy last sent a prompt's prefix to gets the
+    next prompt that shares it (its own prefix cache holds it; another would load it from
+    the store), turn after turn; a prompt sharing nothing is taken in turn as before."""
+    lookup = FakeLookup()
+    prefills, proxy = await two_prefills(tokenizer_source, backends, start_proxy, lookup)
+    history = PROMPT
+    for turn in range(4):
+        body = {"model": "tiny", "prompt": history, "max_tokens": 1}
+        _, hashes = prompt_hashes(tokenizer_source, body)
+        lookup.held = set(hashes[:-1])  # all but the newest block: prefill computes it
+        assert (await post(f"{proxy}/v1/completions", body))[0] == 200
+        history += f" reply{turn} and question{turn} " * 6
+    (took,) = [p for p in prefills if any(r["prompt"] == PROMPT for r in p.requests)]
+    assert sum(r["prompt"].startswith(PROMPT) for r in took.requests) == 4
+    others = [{"model": "tiny", "prompt": f"other {i} " * 40, "max_tokens": 1}
+              for i in range(4)]
+    for body in others:
+        assert (await post(f"{proxy}/v1/completions", body))[0] == 200
+    assert all(sum(r["prompt"].startswith("other") for r in p.requests) == 2 for p in prefills)
+
+
+def test_held_prefixes_count_leading_blocks_and_evict_a_prompts_tail_first() -> None:
+    held = HeldPrefixes(capacity_blocks=4)
+    held.add(["a", "b", "c"])
+    assert held.leading(["a", "b", "c", "d"]) == 3
+    assert held.leading(["z", "a", "b"]) == 0  # leading blocks only
+    held.add(["x", "y"])  # five blocks: the oldest prompt's last block goes first
+    assert held.leading(["a", "b", "c"]) == 2
+    assert held.leading(["x", "y"]) == 2
 
 
 async def test_a_short_unstored_rest_is_computed_by_decode_within_local_prefill_tokens(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import secrets
 import time
@@ -46,6 +47,11 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 # An instance answering these may be down or overloaded: another instance is tried.
 RETRIED_STATUSES = frozenset({500, 502, 503, 504})
+# What a prompt token loaded from the store costs a prefill instance, in tokens computed: the
+# copy into its KV cache (what it then reads again costs the same as a block it held): a few
+# hundredths on a GPU (tens of KB a token at tens of GB/s, against thousands of tokens a
+# second computed). Enough that, of instances equally busy, the one holding the prefix wins.
+STORE_LOAD_COST = 0.1
 
 
 @dataclass(frozen=True)
@@ -404,7 +410,7 @@ class Proxy:
         when no prefill instance can pair with a decode instance at all (none is healthy, or,
         in the middle of a rollout, none has a healthy decode of its fingerprint)."""
         started = time.perf_counter()
-        load = _expected_work if self.router is not None else None
+        load = functools.partial(_expected_work, route) if self.router is not None else None
         done = await self._on_instances(
             "prefill", self.config.prefill_attempts, headers[REQUEST_ID],
             lambda tried: self.pool.pick("prefill", exclude=tried, fingerprints=decodable,
@@ -462,6 +468,8 @@ class Proxy:
                         raise AttemptFailed(error)
                     raise error
                 self.pool.request_succeeded(backend)
+                if route is not None:
+                    backend.held.add(route.block_hashes)
                 return _parse(raw).get("kv_transfer_params")
         except TimeoutError:  # not retried: another instance would take as long again
             self.metrics.upstream_errors.labels("prefill", "timeout").inc()
@@ -648,9 +656,17 @@ class Proxy:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _expected_work(backend: Backend) -> tuple[int, int]:
-    """A prefill instance's queue: prompt tokens it has still to compute, then requests."""
-    return backend.queued_tokens, backend.outstanding
+def _expected_work(route: Route | None, backend: Backend) -> tuple[float, int]:
+    """A prefill instance's queue (prompt tokens it has still to compute) plus what this
+    request's prompt would cost there: the tokens neither its own cache holds nor the store
+    (the same on every instance but for what the instance holds beyond the store), and
+    STORE_LOAD_COST a token it must load from the store; then requests in progress."""
+    if route is None or not route.block_hashes:
+        return backend.queued_tokens, backend.outstanding
+    held = backend.held.leading(route.block_hashes) * route.block_tokens
+    computed = route.prompt_tokens - max(held, route.stored_tokens)
+    loaded = max(0, route.stored_tokens - held)
+    return backend.queued_tokens + computed + STORE_LOAD_COST * loaded, backend.outstanding
 
 
 def _outstanding(backend: Backend) -> int:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import aiohttp
 
 from kvhelper.instances import Instance, Role
+from kvhelper.proxy.held_prefixes import HeldPrefixes
 
 log = logging.getLogger("kvhelper.proxy")
 Routing = Literal["round-robin", "least-outstanding"]
@@ -31,6 +32,7 @@ class Backend:
     healthy: bool = True  # until a health check or failed requests say otherwise
     outstanding: int = 0
     queued_tokens: int = 0  # prompt tokens not in the store, of the prefills in progress here
+    held: HeldPrefixes = field(default_factory=HeldPrefixes)  # a prefill's own prefix cache
     failures: int = 0  # failed health checks in a row
     request_failures: int = 0  # failed requests in a row
     # Deadlines of the requests waiting on this instance: ejecting it expires them.

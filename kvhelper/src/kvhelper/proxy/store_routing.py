@@ -6,10 +6,13 @@ prompt, hashes its blocks as vLLM does and asks the store how many leading block
   sooner than a prefill instance could take the request, load it and hand it over):
   **skip_prefill**. The request goes straight to a decode instance with the transfer
   parameters that make it load the stored blocks.
-- Otherwise: **prefill**, on the prefill instance with the least expected work; the prefill
-  instance loads whatever prefix the store does hold. The proxy tells it what its lookup found
-  (`kvhelper_stored`), so the connector does not ask the store again inside vLLM's scheduler
-  (it does when its own hash of the last block asked differs, or its keys are another's).
+- Otherwise: **prefill**, on the prefill instance with the least expected work (what it has
+  queued, plus what this prompt would cost there: the tokens it neither holds in its own
+  prefix cache, as far as the proxy knows, nor can load, and a fraction of those it must
+  load); the prefill instance loads whatever prefix the store holds beyond its own cache.
+  The proxy tells it what its lookup found (`kvhelper_stored`), so the connector does not
+  ask the store again inside vLLM's scheduler (it does when its own hash of the last block
+  asked differs, or its keys are another's).
 - Anything that keeps the proxy from knowing exactly (the tokenizer or vLLM's hashing not
   loaded, a request it cannot tokenize as vLLM would, no key space learned yet, the store not
   answering in time): **fallback**, today's route, counted by reason. A request never fails
@@ -62,8 +65,11 @@ class Route:
     # skip_prefill: the decode fingerprint to use and what to tell decode.
     fingerprint: str | None = None
     params: dict[str, Any] | None = None
-    # prefill: what the lookup found, for prefill's connector (transfer_params.STORED_HINT_KEY)
+    # prefill: what the lookup found, for prefill's connector (transfer_params.STORED_HINT_KEY),
+    # and the blocks it asked about, of `block_tokens` each (what the instance will then hold)
     hint: dict[str, Any] | None = None
+    block_hashes: tuple[str, ...] = ()
+    block_tokens: int = 0
 
     @property
     def uncached_tokens(self) -> int:
@@ -234,7 +240,8 @@ class StoreRouter:
             if best is None or stored > best.stored_tokens:
                 hint = {"tokens": stored, "asked": usable, "last_hash": hashes[-1],
                         "key_space": learned.key_space.to_json()}
-                best = Route("prefill", prompt_tokens=total, stored_tokens=stored, hint=hint)
+                best = Route("prefill", prompt_tokens=total, stored_tokens=stored, hint=hint,
+                             block_hashes=tuple(hashes), block_tokens=learned.block_size)
         return best or Route("prefill", prompt_tokens=total)
 
     async def _stored_blocks(self, space: KeySpace, hashes: list[str]) -> int | str | None:
