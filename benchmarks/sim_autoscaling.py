@@ -149,7 +149,7 @@ def main() -> None:
             quick = dataclasses.replace(profile, startup_s=startup)
             run, _ = planner_run(quick, requests, "store-aware", targets, bounds,
                                  args.startup_interval, args.scale_down_window)
-            quicker.append(Run(f"planner, start-up {startup:g}s, every "
+            quicker.append(Run(f"planner, start {startup:g}s, every "
                                f"{args.startup_interval:g}s", run.summary, run.instances))
             print(line(quicker[-1], targets, best))
         if name == "recorded trace" and AIC.exists():
