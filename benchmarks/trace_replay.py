@@ -57,6 +57,7 @@ TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 TRACE_BLOCK = 512  # tokens per hash id in the trace
 TIMEOUT = aiohttp.ClientTimeout(total=300)
 COMPUTED = 'vllm:prompt_tokens_by_source_total{'
+LOADED_BY_PREFILL = "vllm:kvhelper_lookup_hit_blocks_total{"  # kvhelper's connector only
 
 
 @dataclass(frozen=True)
@@ -232,6 +233,12 @@ def computed_tokens(metrics_text: str) -> float:
                if line.startswith(COMPUTED) and 'source="local_compute"' in line)
 
 
+def store_loaded_blocks(metrics_text: str) -> float:
+    """Blocks a prefill instance loaded from the store beyond its own prefix cache's hit."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
+               if line.startswith(LOADED_BY_PREFILL))
+
+
 def scrape(urls: list[str], parse: Callable[[str], float]) -> float:
     import urllib.request
 
@@ -257,6 +264,7 @@ class Row:
     store: tuple[float, float] = (0.0, 0.0)  # keys and bytes the store held at the end
     # Mean seconds per request at the proxy: store lookup, prefill, decode to its first byte.
     phases: dict[str, float] = field(default_factory=dict)
+    prefill_loaded_blocks: float = 0.0  # what prefill instances loaded from the store
 
 
 PHASES = (("lookup", "disagg_proxy_store_lookup_seconds", ""),
@@ -336,11 +344,13 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
                             if i.spec.role == role and i.spec.port]
                      for role in ("prefill", "decode")}
         every = instances["prefill"] + instances["decode"]
-        before = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens))
+        before = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens),
+                  scrape(instances["prefill"], store_loaded_blocks))
         outcome = asyncio.run(replay(url, served, work, max_tokens))
         # vLLM publishes its counters on its logging interval, not with each response.
         time.sleep(12)
-        after = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens))
+        after = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens),
+                 scrape(instances["prefill"], store_loaded_blocks))
         proxy_text = scrape_text(url)
         for role, urls in instances.items():  # kept with the logs (--keep), for a closer look
             for i, instance_url in enumerate(urls):
@@ -355,7 +365,8 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         stop_recorded(folder, lambda _: None)
     total = work.prompt_tokens
     return Row(f"{stack} {prefills}P2D", (after[0] - before[0] + skipped_tail) / total,
-               (after[1] - before[1]) / total, outcome, routes, store, phases)
+               (after[1] - before[1]) / total, outcome, routes, store, phases,
+               after[2] - before[2])
 
 
 def store_usage(deployment: Any, name: str) -> tuple[float, float]:
@@ -465,7 +476,7 @@ def report(kind: str, work: Replay, rows: list[Row]) -> str:
              "timed: the ideal when a prompt reuses only what came back before it was sent",
              f"{'stack':<22}{'computed':>9}{'vs ideal':>9}{'timed':>7}{'all inst':>9}"
              f"{'TTFT p50':>10}{'p90':>8}{'e2e p50':>9}{'failed':>7}{'keys':>7}"
-             f"{'MiB':>7}{'lookup/prefill/decode':>23}  routes"]
+             f"{'MiB':>7}{'P loads':>8}{'lookup/prefill/decode':>23}  routes"]
     for row in rows:
         out = row.outcome
         lines.append(
@@ -474,7 +485,7 @@ def report(kind: str, work: Replay, rows: list[Row]) -> str:
             f"{statistics.median(out.ttft or [0]) * 1000:>8.0f}ms"
             f"{percentile(out.ttft, 0.9) * 1000:>6.0f}ms"
             f"{statistics.median(out.e2e or [0]) * 1000:>7.0f}ms{out.failed:>7}"
-            f"{row.store[0]:>7.0f}{row.store[1] / 2**20:>7.1f}"
+            f"{row.store[0]:>7.0f}{row.store[1] / 2**20:>7.1f}{row.prefill_loaded_blocks:>8.0f}"
             f"{phase_column(row.phases):>23}  "
             + " ".join(f"{k}={v:.0f}" for k, v in sorted(row.routes.items())))
     return "\n".join(lines)
