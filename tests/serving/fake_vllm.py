@@ -24,11 +24,16 @@ class FakeVLLM:
     die_after_tokens: int | None = None  # drop the connection mid-stream
     healthy: bool = True
     frozen: bool = False  # accept connections but never answer, as a stopped process
+    # Close a kept-alive connection as the next request arrives on it, unanswered: the race a
+    # server's keep-alive timeout has with a client that picks the idle connection just then.
+    drop_reused: bool = False
     api_key: str | None = None  # as vLLM's --api-key: completions need it
     # What prefill answers in kv_transfer_params (None: parameters of a peer-to-peer connector).
     prefill_params: dict[str, Any] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)  # case-insensitive mappings
+    connections: list[Any] = field(default_factory=list)  # per answered request: client address
+    dropped: int = 0
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     _runner: web.AppRunner | None = None
 
@@ -66,6 +71,13 @@ class FakeVLLM:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": "Unauthorized"}, status=401)
+        assert request.transport is not None
+        connection = request.transport.get_extra_info("peername")
+        if self.drop_reused and connection in self.connections:
+            request.transport.close()
+            self.dropped += 1
+            return web.Response()
+        self.connections.append(connection)
         body = await request.json()
         self.requests.append(body)
         self.headers.append(request.headers.copy())

@@ -11,6 +11,7 @@ import pytest
 from disagg_devtools.processes import free_port
 from disagg_devtools.waiting import wait_for
 from kvhelper.instances import Instance
+from kvhelper.proxy.app import ProxyConfig
 from kvhelper.proxy.pool import Pool
 
 
@@ -277,6 +278,42 @@ async def test_decode_failing_before_its_first_byte_is_retried_with_the_same_kv_
         assert b"d1" in raw or b"t3" in raw
     assert len(failing.requests) >= 1 and len(good.requests) == 2
     assert failing.requests[0]["kv_transfer_params"] == good.requests[0]["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+async def test_a_kept_alive_connection_the_instance_closed_costs_no_request(
+        backends, start_proxy, phase):
+    """An instance that closes an idle kept-alive connection just as the proxy sends a request
+    on it (vLLM closes them after 5 s) is not down: the request goes again on a new connection
+    to the same instance, which stays in the pool, even when it is the only one of its role."""
+    prefill = await backends("p0", drop_reused=phase == "prefill")
+    decode = await backends("d0", drop_reused=phase == "decode")
+    proxy = await start_proxy([prefill.url], [decode.url])
+    for stream in (False, True, False, True):
+        status, _, raw = await post(f"{proxy}/v1/completions",
+                                    {"prompt": "x", "stream": stream, "max_tokens": 4})
+        assert status == 200, raw
+    assert (prefill if phase == "prefill" else decode).dropped >= 1  # the race happened
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy}/instances") as got:
+        assert all(i["healthy"] for i in await got.json())
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy}/metrics") as got:
+        text = await got.text()
+    assert f'disagg_proxy_reconnects_total{{phase="{phase}"}} ' in text, text
+
+
+async def test_an_idle_connection_is_not_reused_past_the_upstream_keep_alive(
+        backends, start_proxy):
+    """The proxy gives up an idle connection before the instance would close it (vLLM: 5 s),
+    so that race is rare to begin with; within the limit, connections are reused."""
+    from vllm import envs
+
+    assert ProxyConfig().upstream_keepalive < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    prefill, decode = await backends("p0"), await backends("d0")
+    proxy = await start_proxy([prefill.url], [decode.url], upstream_keepalive=0.3)
+    await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    await asyncio.sleep(1.0)  # idle past the limit: the behaviour under test, not a wait
+    await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    assert decode.connections[0] != decode.connections[1]
 
 
 async def test_a_frozen_decode_is_given_up_after_the_first_byte_limit(backends, start_proxy):

@@ -73,6 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="one health check's limit; shorter than --health-interval")
     add("--eject-after", type=int, default=_env("eject-after", 2),
         help="failed health checks, or failed requests, in a row that eject an instance")
+    add("--upstream-keepalive", type=float, default=_env("upstream-keepalive", 2.0),
+        help="seconds an idle connection to an instance is kept for reuse; shorter than the "
+             "instances' own keep-alive timeout (vLLM's: 5 s)")
     add("--store-routing", action=argparse.BooleanOptionalAction,
         default=_env("store-routing", "false").lower() == "true",
         help="route on what the Mooncake store holds, skipping prefill for stored prompts")
@@ -124,7 +127,7 @@ def config(args: argparse.Namespace) -> ProxyConfig:
                        decode_attempts=args.decode_attempts, max_body_bytes=args.max_body_bytes,
                        max_concurrency=args.max_concurrency,
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
-                       eject_after=args.eject_after,
+                       eject_after=args.eject_after, upstream_keepalive=args.upstream_keepalive,
                        # Keys come only from the environment (a Secret), never from flags.
                        api_key=os.environ.get("DISAGG_PROXY_API_KEY") or None,
                        backend_api_key=os.environ.get("DISAGG_PROXY_BACKEND_API_KEY") or None)

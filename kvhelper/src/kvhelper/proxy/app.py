@@ -70,6 +70,9 @@ class ProxyConfig:
     health_interval: float = 5.0
     health_timeout: float = 2.0  # one health check; shorter than the interval
     eject_after: int = 2
+    # An idle connection to an instance is given up after this long, before the instance's own
+    # keep-alive timeout closes it (vLLM's: 5 s), so a request never goes out on one it closed.
+    upstream_keepalive: float = 2.0
     # Clients must present this key (Authorization: Bearer ...); from a Secret, never a flag.
     api_key: str | None = field(default=None, repr=False)
     # The key the vLLM instances were started with (--api-key); without one, the client's own
@@ -80,6 +83,9 @@ class ProxyConfig:
         if not 0 < self.health_timeout < self.health_interval:
             raise ValueError(f"health_timeout ({self.health_timeout:g}s) must be shorter than "
                              f"health_interval ({self.health_interval:g}s)")
+        if self.upstream_keepalive <= 0:
+            raise ValueError(f"upstream_keepalive ({self.upstream_keepalive:g}s) must be "
+                             "positive")
         for name in ("prefill_attempts", "decode_attempts", "eject_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -146,6 +152,10 @@ class Metrics:
         self.retries = Counter("disagg_proxy_retries_total",
                                "Requests sent to another instance after one failed.",
                                ["phase"], registry=self.registry)
+        self.reconnects = Counter("disagg_proxy_reconnects_total",
+                                  "Requests sent again on a new connection to the same "
+                                  "instance, which had closed the kept-alive one they went out "
+                                  "on.", ["phase"], registry=self.registry)
         # Store-aware routing (kvhelper.proxy.store_routing).
         self.routes = Counter("disagg_proxy_route_decisions_total",
                               "Requests by route: skip_prefill (the store held the prompt), "
@@ -235,6 +245,7 @@ class Proxy:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None
         # Built once: these are per-request costs on the proxy's hot path.
         self._prefill_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout,
                                                       sock_connect=config.connect_timeout)
@@ -261,10 +272,17 @@ class Proxy:
 
     async def _start(self, _: web.Application) -> None:
         # One pooled client: aiohttp keeps a connection pool per backend host.
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.config.max_concurrency)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.config.max_concurrency,
+                                         keepalive_timeout=self.config.upstream_keepalive)
+        reuse = aiohttp.TraceConfig()
+        reuse.on_connection_reuseconn.append(_mark_reused)
         # No cookie jar: one backend's cookies must never reach another client's request.
-        self._session = aiohttp.ClientSession(connector=connector,
+        self._session = aiohttp.ClientSession(connector=connector, trace_configs=[reuse],
                                               cookie_jar=aiohttp.DummyCookieJar())
+        # For a request sent again after its kept-alive connection was closed: never pooled.
+        self._fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            cookie_jar=aiohttp.DummyCookieJar())
         self._tasks = [asyncio.create_task(self.discovery.run(self.pool.update, self._stop)),
                        asyncio.create_task(self._health_loop())]
         if self.router is not None:
@@ -275,8 +293,9 @@ class Proxy:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh_session):
+            if session is not None:
+                await session.close()
         if self.router is not None:
             self.router.close()
 
@@ -292,6 +311,22 @@ class Proxy:
     def session(self) -> aiohttp.ClientSession:
         assert self._session is not None, "the proxy app has not started"
         return self._session
+
+    async def _post(self, phase: Role, url: str, body: bytes, headers: dict[str, str],
+                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """POST to an instance on a pooled connection, until its answer's headers. An instance
+        that closed a kept-alive connection as the request went out on it (a race with its
+        keep-alive timeout) is not down: the request goes once more, on a new connection."""
+        assert self._fresh_session is not None, "the proxy app has not started"
+        sent = _Reuse()
+        try:
+            return await self.session.post(url, data=body, headers=headers, timeout=timeout,
+                                            trace_request_ctx=sent)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as err:
+            if not sent.reused or isinstance(err, aiohttp.ClientConnectorError):
+                raise
+        self.metrics.reconnects.labels(phase).inc()
+        return await self._fresh_session.post(url, data=body, headers=headers, timeout=timeout)
 
     # -- middleware ------------------------------------------------------------------------
 
@@ -455,10 +490,9 @@ class Proxy:
         backend.queued_tokens += uncached_tokens
         hint = route.hint if route is not None else None
         try:
-            async with self.session.post(f"{backend.url}{path}",
-                                         data=_encode_json(prefill_request(body, hint)),
-                                         headers=headers,
-                                         timeout=self._prefill_timeout) as response:
+            async with await self._post("prefill", f"{backend.url}{path}",
+                                        _encode_json(prefill_request(body, hint)), headers,
+                                        self._prefill_timeout) as response:
                 raw = await response.read()
                 if response.status != 200:
                     self.metrics.upstream_errors.labels("prefill", str(response.status)).inc()
@@ -542,10 +576,9 @@ class Proxy:
             try:
                 async with backend.deadline(self.config.decode_first_byte_timeout
                                             if streaming else None):
-                    upstream = await self.session.post(
-                        f"{backend.url}{request.path}", data=_encode_json(body),
-                        headers=upstream_headers,
-                        timeout=self._decode_timeout)
+                    upstream = await self._post("decode", f"{backend.url}{request.path}",
+                                                _encode_json(body), upstream_headers,
+                                                self._decode_timeout)
                     if upstream.status != 200:
                         raise self._decode_refused(backend, upstream.status,
                                                    await upstream.read())
@@ -654,6 +687,19 @@ class Proxy:
     async def metrics_endpoint(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@dataclass
+class _Reuse:
+    """Whether a request went out on a kept-alive connection (aiohttp's trace hook says)."""
+
+    reused: bool = False
+
+
+async def _mark_reused(_session: aiohttp.ClientSession, context: Any,
+                       _params: aiohttp.TraceConnectionReuseconnParams) -> None:
+    if isinstance(context.trace_request_ctx, _Reuse):
+        context.trace_request_ctx.reused = True
 
 
 def _expected_work(route: Route | None, backend: Backend) -> tuple[float, int]:
