@@ -57,7 +57,21 @@ class FakeVLLM:
             await self._runner.cleanup()
             self._runner = None
 
+    def _drop_if_reused(self, request: web.Request) -> bool:
+        """Close the connection unanswered when `drop_reused` and it served a request before;
+        else remember it."""
+        assert request.transport is not None
+        connection = request.transport.get_extra_info("peername")
+        if self.drop_reused and connection in self.connections:
+            request.transport.close()
+            self.dropped += 1
+            return True
+        self.connections.append(connection)
+        return False
+
     async def _health(self, request: web.Request) -> web.Response:
+        if self._drop_if_reused(request):
+            return web.Response()
         await self._hang_while_frozen()
         return web.Response(status=200 if self.healthy else 503)
 
@@ -71,13 +85,8 @@ class FakeVLLM:
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         if self.api_key and request.headers.get("Authorization") != f"Bearer {self.api_key}":
             return web.json_response({"error": "Unauthorized"}, status=401)
-        assert request.transport is not None
-        connection = request.transport.get_extra_info("peername")
-        if self.drop_reused and connection in self.connections:
-            request.transport.close()
-            self.dropped += 1
+        if self._drop_if_reused(request):
             return web.Response()
-        self.connections.append(connection)
         body = await request.json()
         self.requests.append(body)
         self.headers.append(request.headers.copy())

@@ -301,6 +301,20 @@ async def test_a_kept_alive_connection_the_instance_closed_costs_no_request(
     assert f'disagg_proxy_reconnects_total{{phase="{phase}"}} ' in text, text
 
 
+async def test_health_checks_never_go_out_on_a_connection_the_instance_may_have_closed(
+        backends, start_proxy):
+    """A check every 5 s on a connection vLLM closes after 5 s idle would race its close: each
+    check goes on a new connection, so an instance that drops reused ones stays in the pool."""
+    prefill = await backends("p0", drop_reused=True)
+    decode = await backends("d0", drop_reused=True)
+    proxy = await start_proxy([prefill.url], [decode.url], health_interval=0.05,
+                              health_timeout=0.04, eject_after=1)
+    await wait_for(lambda: len(decode.connections) >= 10, 10, "ten health checks")
+    assert decode.dropped == 0 and prefill.dropped == 0
+    status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    assert status == 200, raw
+
+
 async def test_an_idle_connection_is_not_reused_past_the_upstream_keep_alive(
         backends, start_proxy):
     """The proxy gives up an idle connection before the instance would close it (vLLM: 5 s),

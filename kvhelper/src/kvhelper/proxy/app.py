@@ -301,7 +301,11 @@ class Proxy:
 
     async def _health_loop(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.config.health_timeout)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        # A new connection per check: a kept-alive one would idle as long as the instance's
+        # keep-alive timeout (both 5 s by default) and could be closed as a check goes out.
+        async with aiohttp.ClientSession(timeout=timeout,
+                                         connector=aiohttp.TCPConnector(force_close=True)
+                                         ) as session:
             while not self._stop.is_set():
                 await self.pool.check_health(session)
                 with contextlib.suppress(TimeoutError):
