@@ -91,9 +91,10 @@ async def test_the_planner_scales_decode_on_kv_demand_and_patches_only_decode(
         page.kv_usage.set(0.9)  # 14,400 of 16,000 tokens each: 28,800 wanted
         for _ in range(10):
             page.served(prompt=100, computed=0, output=20, itl_s=0.02)
-    prefill = pages.pages["dsv2-lite-prefill-a"]
-    assert isinstance(prefill, EnginePage)
+    prefill, proxy = pages.pages["dsv2-lite-prefill-a"], pages.pages["dsv2-lite-proxy-a"]
+    assert isinstance(prefill, EnginePage) and isinstance(proxy, ProxyPage)
     for _ in range(20):
+        proxy.arrived.inc()
         prefill.served(prompt=100, computed=100, output=1, itl_s=0.0)
 
     # 28,800 KV tokens over 7,000 per instance (10,000 kept 70% full): 5 decode instances.
@@ -133,8 +134,12 @@ async def test_a_prefill_queue_past_the_ttft_target_scales_prefill_before_the_in
     decode = pages.pages["dsv2-lite-decode-a"]
     assert isinstance(decode, EnginePage)
 
+    proxy = pages.pages["dsv2-lite-proxy-a"]
+    assert isinstance(proxy, ProxyPage)
+
     def serve(prompts: int) -> None:
         for _ in range(prompts):
+            proxy.arrived.inc()
             prefill.served(prompt=1000, computed=1000, output=1, itl_s=0.0)
             decode.served(prompt=1000, computed=0, output=4, itl_s=0.02)
 

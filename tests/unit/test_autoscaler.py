@@ -48,9 +48,11 @@ class PagesSource:
             t.role, self.pages[t.pod].page().decode()) for t in targets})
 
     def traffic(self, requests: int, prompt: int) -> None:
-        prefill, decode = self.pages["p-0"], self.pages["d-0"]
+        prefill, decode, proxy = self.pages["p-0"], self.pages["d-0"], self.pages["x-0"]
         assert isinstance(prefill, EnginePage) and isinstance(decode, EnginePage)
+        assert isinstance(proxy, ProxyPage)
         for _ in range(requests):
+            proxy.arrived.inc()
             prefill.served(prompt, prompt, 1, 0.0)
             decode.served(prompt, 0, 20, 0.02)
 

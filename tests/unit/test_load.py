@@ -40,6 +40,7 @@ def test_load_between_two_scrapes_reads_each_role_from_its_own_pods() -> None:
     for _ in range(20):  # 20 requests of 400 prompt tokens, 100 of them cached
         prefill.served(prompt=400, computed=300, output=1, itl_s=0.0)
         decode.served(prompt=400, computed=0, output=50, itl_s=0.04)
+        proxy.arrived.inc()
         proxy.ttft.observe(0.3)
     decode.kv_usage.set(0.5)  # 8,000 of 16,000 tokens
     decode.waiting.set(2)
@@ -54,6 +55,26 @@ def test_load_between_two_scrapes_reads_each_role_from_its_own_pods() -> None:
     assert load.kv_tokens_demand == pytest.approx(8000 + 2 * 450)
     assert load.queued_uncached_tokens == pytest.approx(3 * 300)
     assert 200 < load.uncached_tokens_p90 <= 500
+
+
+def test_the_request_rate_is_the_proxys_arrivals_not_decodes_finished_requests() -> None:
+    """As the simulator counts it: an interval in which prompts arrived and were prefilled
+    while decode finished none (long outputs) has their rate, not zero, so the planner's mean
+    uncached prompt (uncached tokens / requests) stays the prompts' own."""
+    prefill, decode, proxy = EnginePage(), EnginePage(), ProxyPage()
+    pages = {"p-0": ("prefill", prefill), "d-0": ("decode", decode), "x-0": ("proxy", proxy)}
+    first = _scrape(0.0, pages)
+    for _ in range(30):
+        proxy.arrived.inc()
+        prefill.served(prompt=500, computed=500, output=1, itl_s=0.0)
+    load = load_between(first, _scrape(10.0, pages))
+    assert load.requests_per_s == pytest.approx(3.0)
+    assert load.uncached_tokens_per_s / load.requests_per_s == pytest.approx(500.0)
+    # A proxy too old to count arrivals: decode's finished requests, as before.
+    old = {"p-0": ("prefill", prefill), "d-0": ("decode", decode)}
+    before = _scrape(0.0, old)
+    decode.served(prompt=500, computed=0, output=8, itl_s=0.01)
+    assert load_between(before, _scrape(10.0, old)).requests_per_s == pytest.approx(0.1)
 
 
 def test_without_traffic_the_load_is_zero_and_latencies_unknown() -> None:

@@ -9,7 +9,10 @@ What each Load field comes from:
 - uncached prompt tokens, their spread and the cached share: prefill instances'
   `vllm:request_prefill_kv_computed_tokens` (tokens each request computed) against
   `vllm:prompt_tokens` (tokens it was sent);
-- request rate, prompt and output lengths: decode instances' `vllm:request_prompt_tokens` and
+- request rate: the proxy's `disagg_proxy_requests_arrived_total`, requests as they arrive
+  (the simulator's arrival rate; decode's finished requests lag a whole generation behind);
+  from a proxy without it, decode's finished requests;
+- prompt and output lengths: decode instances' `vllm:request_prompt_tokens` and
   `vllm:request_generation_tokens` (one observation per finished request);
 - ITL p90: decode's `vllm:inter_token_latency_seconds`; TTFT p90: the proxy's
   `disagg_proxy_time_to_first_token_seconds` (what clients see, prefill included);
@@ -37,8 +40,9 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
 PROXY_TTFT = "disagg_proxy_time_to_first_token_seconds"
+PROXY_ARRIVED = "disagg_proxy_requests_arrived"
 
-COUNTERS = (PROMPT_TOKENS,)
+COUNTERS = (PROMPT_TOKENS, PROXY_ARRIVED)
 GAUGES = (WAITING,)
 HISTOGRAMS = (PREFILL_COMPUTED, REQUEST_PROMPT, REQUEST_OUTPUT, INTER_TOKEN, PROXY_TTFT)
 
@@ -192,8 +196,12 @@ def load_between(before: Scrape, after: Scrape, kv_samples: Sequence[KvSample] =
     request_tokens = prompt_mean + output_mean
     kv_demand = _p90([sample.held_tokens + sample.waiting * request_tokens
                       for sample in [*kv_samples, kv_sample(after)]])
+    counts_arrivals = any(PROXY_ARRIVED in pod.values for pod in after.pods.values()
+                          if pod.role == "proxy")
+    requests = (_delta_counter(before, after, "proxy", PROXY_ARRIVED) if counts_arrivals
+                else prompts.count)
     return Load(
-        requests_per_s=prompts.count / seconds,
+        requests_per_s=requests / seconds,
         uncached_tokens_per_s=computed.total / seconds,
         cached_tokens_mean=max(0.0, sent - computed.total) / prefilled if prefilled else 0.0,
         prompt_tokens_mean=prompt_mean,

@@ -64,6 +64,8 @@ class ProxyPage:
         self.registry = CollectorRegistry()
         self.ttft = Histogram("disagg_proxy_time_to_first_token_seconds", "TTFT.",
                               buckets=TTFT_BUCKETS, registry=self.registry)
+        self.arrived = Counter("disagg_proxy_requests_arrived", "Requests received.",
+                               registry=self.registry)
 
     def page(self) -> bytes:
         return generate_latest(self.registry)

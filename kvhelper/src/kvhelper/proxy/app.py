@@ -134,6 +134,11 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("disagg_proxy_requests_total", "Client requests by outcome.",
                                 ["endpoint", "code"], registry=self.registry)
+        # The planner's arrival rate (disagg_operator.load): counted as requests arrive, where
+        # the outcomes above come a whole generation later.
+        self.arrived = Counter("disagg_proxy_requests_arrived_total",
+                               "Valid completion requests received, whatever became of them.",
+                               registry=self.registry)
         self.latency = Histogram("disagg_proxy_request_seconds", "Client request time.",
                                  ["endpoint"], registry=self.registry)
         self.phase = Histogram("disagg_proxy_phase_seconds",
@@ -384,6 +389,7 @@ class Proxy:
         self._authorize(request)
         body = await _json_object(request)
         _check_completion(request.path, body)
+        self.metrics.arrived.inc()
         if self._slots.locked():
             raise ProxyError(429, "the proxy is at its concurrency limit; retry later",
                              "rate_limit_error")
