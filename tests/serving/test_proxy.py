@@ -172,6 +172,7 @@ async def test_health_and_metrics_endpoints(backends, start_proxy):
     prefill, decode = await backends("p0"), await backends("d0")
     proxy = await start_proxy([prefill.url], [decode.url])
     await post(f"{proxy}/v1/completions", {"prompt": "x"})
+    await post(f"{proxy}/v1/completions", {"max_tokens": 1})  # no prompt: not an arrival
     async with aiohttp.ClientSession() as session:
         for made_up in ("/a", "/b/c"):  # unknown paths share one series, not one each
             async with session.get(f"{proxy}{made_up}") as response:
@@ -186,6 +187,7 @@ async def test_health_and_metrics_endpoints(backends, start_proxy):
     assert 'disagg_proxy_requests_total{code="200",endpoint="/v1/completions"} 1.0' in text
     assert 'disagg_proxy_requests_total{code="404",endpoint="unmatched"} 2.0' in text
     assert "disagg_proxy_phase_seconds_count" in text
+    assert "disagg_proxy_requests_arrived_total 1.0" in text  # the planner's arrival rate
 
 
 def test_routing_policies_and_fingerprint_pairing() -> None:
