@@ -343,14 +343,11 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         instances = {role: [f"http://127.0.0.1:{i.spec.port}" for i in deployment.started
                             if i.spec.role == role and i.spec.port]
                      for role in ("prefill", "decode")}
-        every = instances["prefill"] + instances["decode"]
-        before = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens),
-                  scrape(instances["prefill"], store_loaded_blocks))
+        before = instance_counts(instances)
         outcome = asyncio.run(replay(url, served, work, max_tokens))
         # vLLM publishes its counters on its logging interval, not with each response.
         time.sleep(12)
-        after = (scrape(instances["prefill"], computed_tokens), scrape(every, computed_tokens),
-                 scrape(instances["prefill"], store_loaded_blocks))
+        after = instance_counts(instances)
         proxy_text = scrape_text(url)
         for role, urls in instances.items():  # kept with the logs (--keep), for a closer look
             for i, instance_url in enumerate(urls):
@@ -367,6 +364,15 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
     return Row(f"{stack} {prefills}P2D", (after[0] - before[0] + skipped_tail) / total,
                (after[1] - before[1]) / total, outcome, routes, store, phases,
                after[2] - before[2])
+
+
+def instance_counts(instances: dict[str, list[str]]) -> tuple[float, float, float]:
+    """Prompt tokens computed by the prefill instances and by every instance, and blocks the
+    prefill instances loaded from the store: one scrape of each instance."""
+    pages = {url: scrape_text(url) for urls in instances.values() for url in urls}
+    prefills = [pages[url] for url in instances["prefill"]]
+    return (sum(map(computed_tokens, prefills)), sum(map(computed_tokens, pages.values())),
+            sum(map(store_loaded_blocks, prefills)))
 
 
 def store_usage(deployment: Any, name: str) -> tuple[float, float]:
