@@ -184,8 +184,10 @@ def read_value(client: MooncakeKVStore, key: str) -> torch.Tensor:
 
 
 @contextmanager
-def store_client(master: str) -> Iterator[MooncakeKVStore]:
+def store_client(master: str, metadata_server: str = "P2PHANDSHAKE"
+                 ) -> Iterator[MooncakeKVStore]:
     client = MooncakeKVStore(MooncakeConfig(master_server_address=master,
+                                            metadata_server=metadata_server,
                                             global_segment_size=0, local_buffer_size=64 << 20,
                                             local_hostname="127.0.0.1"))
     try:
@@ -194,9 +196,10 @@ def store_client(master: str) -> Iterator[MooncakeKVStore]:
         client.close()
 
 
-def corrupt_values(master: str, keys: list[str]) -> None:
-    """Flip every bf16 sign bit of these stored values, in place in the store."""
-    with store_client(master) as client:
+def corrupt_values(master: str, keys: list[str], metadata_server: str = "P2PHANDSHAKE") -> None:
+    """Flip every bf16 sign bit of these stored values, in place in the store (in a float32
+    value: the sign of every other half)."""
+    with store_client(master, metadata_server) as client:
         for key in keys:
             page = read_value(client, key)
             page.view(torch.int16).bitwise_xor_(-0x8000)

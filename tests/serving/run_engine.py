@@ -16,9 +16,12 @@ REQUEST: {"model", "block_size", "prompts" (texts, lists of token ids, or vLLM p
           "engine_args" (optional: more of vLLM's engine arguments, e.g. a small
           num_gpu_blocks_override so that requests get preempted),
           "reference" (optional: afterwards, run the prompts again on this same engine without
-          kv_transfer_params: what recomputing them gives here)}
+          kv_transfer_params: what recomputing them gives here),
+          "logprobs" (optional: this many top logprobs per generated token)}
 RESULT:  {"token_ids": [[...], ...], "finish_reasons": [...], "kv_transfer_params": [...],
           "cold_token_ids" (with "warm_prefix_cache"),
+          "logprobs" and "cold_logprobs" (with "logprobs"): per prompt, per step, the top
+          [[token_id, logprob], ...] best first,
           "reference_token_ids" (with "reference")}
 
 The engine runs in this one process (the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0, and the
@@ -75,6 +78,13 @@ def finish_connector_work(llm: Any) -> None:
     raise RuntimeError("the connector still holds finished requests after 120 s")
 
 
+def top_logprobs(output: Any) -> list[list[list[float]]]:
+    """Per generated token, its top logprobs as [token_id, logprob] pairs, best first."""
+    return [sorted(([token, entry.logprob] for token, entry in step.items()),
+                   key=lambda pair: -pair[1])
+            for step in output.outputs[0].logprobs or []]
+
+
 def main() -> None:
     request = json.loads(open(sys.argv[1]).read())
     tp = request.get("tensor_parallel_size", 1)
@@ -97,8 +107,10 @@ def main() -> None:
               enable_prefix_caching=prefix_caching, **request.get("engine_args", {}))
     params = request.get("kv_transfer_params") or [None] * len(prompts)
 
+    top = request.get("logprobs")
+
     def sampling(extra: dict[str, Any] | None) -> SamplingParams:
-        return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
+        return SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], logprobs=top,
                               extra_args={"kv_transfer_params": extra} if extra else None)
 
     groups = ([[i] for i in range(len(prompts))] if request.get("one_at_a_time")
@@ -122,6 +134,10 @@ def main() -> None:
                               "kv_transfer_params": [o.kv_transfer_params for o in outputs]}
     if cold:
         result["cold_token_ids"] = [list(o.outputs[0].token_ids) for o in cold]
+    if top is not None:
+        result["logprobs"] = [top_logprobs(o) for o in outputs]
+        if cold:
+            result["cold_logprobs"] = [top_logprobs(o) for o in cold]
     if request.get("reference"):
         again = [llm.generate([prompts[i] for i in group], sampling(None)) for group in groups]
         result["reference_token_ids"] = [list(o.outputs[0].token_ids)

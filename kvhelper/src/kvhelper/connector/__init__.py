@@ -37,6 +37,7 @@ moves it, `data` is what they share, `settings` is kv_connector_extra_config par
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvhelper import compat
+from kvhelper import compat, vllm_cpu_rope
 from kvhelper.connector.data import (
     IDENTITY_KEY,
     PARAMS_KEY,
@@ -75,7 +76,26 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+log = logging.getLogger("vllm.kvhelper.connector")
+
 __all__ = ["IDENTITY_KEY", "PARAMS_KEY", "PREFIX_HASH_KEY", "MooncakeStoreConnector"]
+
+
+def _loads_exact(vllm_config: VllmConfig) -> bool:
+    """Whether a tail computed over loaded blocks gives the whole prompt's answer here, said in
+    a log line at start-up. vLLM's CPU build mis-rotates MLA keys unless kvhelper's plugin fixes
+    it (`kvhelper.vllm_cpu_rope`); with the fix turned off, this instance loads nothing."""
+    if not vllm_config.model_config.use_mla:
+        return True
+    if vllm_cpu_rope.exact():
+        log.info("kvhelper connector: MLA rotary embedding exact on this platform; loaded "
+                 "context gives the answers of a whole prompt")
+        return True
+    log.warning("kvhelper connector: LOADS OFF. vLLM's CPU rotary-embedding kernel "
+                "mis-rotates MLA keys (and %s=off keeps kvhelper's fix out), so a prompt's "
+                "tail computed over loaded blocks would answer otherwise than the whole prompt: "
+                "this instance computes every prompt itself", vllm_cpu_rope.ENV)
+    return False
 
 
 class MooncakeStoreConnector(KVConnectorBase_V1):
@@ -93,13 +113,14 @@ class MooncakeStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             self._worker = WorkerSide(vllm_config, self.settings, self.stats)
         else:
+            loads_exact = _loads_exact(vllm_config)
             lookup = (StoredPrefixLookup(MooncakeConfig.load(self.settings.raw))
                       if self.settings.store_lookup and transfer.is_kv_producer else None)
             self._scheduler = SchedulerSide(
                 int(vllm_config.cache_config.block_size), bool(transfer.is_kv_producer),
                 bool(transfer.is_kv_consumer), identity, self.settings.load_async, self.stats,
                 lookup, self.settings.lookup_load_async, self.settings.save_decode_cache,
-                self.settings.save_async, self.settings.store_wait_seconds)
+                self.settings.save_async, self.settings.store_wait_seconds, loads_exact)
 
     @property
     def scheduler(self) -> SchedulerSide:

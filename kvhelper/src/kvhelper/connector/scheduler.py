@@ -37,8 +37,11 @@ class SchedulerSide:
                  identity: dict[str, Any], load_async: bool, stats: TransferStats,
                  lookup: StoredPrefixLookup | None = None, lookup_load_async: bool = False,
                  save_decode_cache: bool = False, save_async: bool = False,
-                 store_wait_seconds: float = 0.0) -> None:
+                 store_wait_seconds: float = 0.0, loads_exact: bool = True) -> None:
         self.block_size = block_size
+        # False where this engine would compute a prompt's tail over loaded blocks otherwise
+        # than the whole prompt (`kvhelper.vllm_cpu_rope`): nothing is loaded, all computed.
+        self.loads_exact = loads_exact
         self.is_producer, self.is_consumer = is_producer, is_consumer
         self.identity = identity
         self.load_async = load_async
@@ -69,6 +72,8 @@ class SchedulerSide:
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the `num_computed_tokens` of the local prefix-cache hit that decode can
         load: the whole blocks prefill stored, short of the prompt's last token."""
+        if not self.loads_exact:
+            return 0, False
         params = request.kv_transfer_params or {}
         if not (self.is_consumer and params.get("do_remote_prefill")):
             return self._stored_prefix(request, num_computed_tokens)
