@@ -114,7 +114,7 @@ def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: flo
             "(the operator image has it)") from None
 
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat[log_format.upper()])
-    stop_flag = threading.Event()
+    stop_flag, lease_lost = threading.Event(), threading.Event()
     election = None
     if leader_election:
         identity = leader_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"
@@ -126,11 +126,11 @@ def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: flo
                             etcd_address_overrides=overrides, etcd_tls_dir=etcd_tls_dir,
                             operator_namespace=operator_namespace, leader_election=election,
                             lease_namespace=operator_namespace or "default",
-                            stop_flag=stop_flag)
+                            stop_flag=stop_flag, lease_lost=lease_lost)
     kopf.run(registry=registry, standalone=True, clusterwide=not namespaces,
              namespaces=list(namespaces), memo=kopf.Memo(config=config), stop_flag=stop_flag,
              liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz" if health_port else None)
-    if election is not None and stop_flag.is_set():
+    if lease_lost.is_set():
         raise click.ClickException("lost the leader lease; exiting to restart as a standby")
 
 

@@ -54,11 +54,13 @@ class OperatorConfig:
     planner_sample_seconds: float = SAMPLE_SECONDS
     operator_namespace: str | None = None  # where its pod runs; None: outside the cluster
     # With several replicas: only the holder of the Lease `lease_name` in `lease_namespace`
-    # reconciles; one that loses it sets `stop_flag` (kopf's) and exits, to restart as standby.
+    # reconciles; one that loses it sets `lease_lost` and `stop_flag` (kopf's) and exits, to
+    # restart as standby.
     leader_election: ElectionSettings | None = None
     lease_namespace: str = "default"
     lease_name: str = "disagg-operator"
     stop_flag: threading.Event | None = None
+    lease_lost: threading.Event | None = None
 
 
 class WakeBoard:
@@ -137,12 +139,19 @@ async def _lead(elector: LeaderElector, config: OperatorConfig) -> None:
     """Lead until the lease is lost; then stop the whole operator (its pod restarts it as a
     standby), as client-go's controllers do: a replica that might not lead must not write."""
     await elector.run()
+    if config.lease_lost is not None:
+        config.lease_lost.set()
     if config.stop_flag is not None:
         config.stop_flag.set()
 
 
 @kopf.on.cleanup(registry=registry)
 async def stop(memo: kopf.Memo, **_: Any) -> None:
+    config: OperatorConfig = memo.config
+    if config.stop_flag is not None:
+        # kopf waits for a threading flag in an executor thread, and the process cannot exit
+        # (e.g. on SIGTERM) while that thread waits: raise it on any stop.
+        config.stop_flag.set()
     context: OperatorContext | None = getattr(memo, "context", None)
     if context is not None:
         if context.election is not None:

@@ -1,0 +1,67 @@
+"""`disagg-operator run` stops on SIGTERM as a pod's container must: within seconds, exit code 0,
+and a leader gives its Lease back so that a standby takes over at once. (kopf waited forever
+for a thread blocked on the stop flag that nothing set, so every operator pod stop took its
+whole grace period and ended in SIGKILL.)"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import kmock
+import pytest
+from disagg_devtools.emulator.sandbox import sandbox
+from disagg_devtools.processes import stop_process
+from disagg_devtools.waiting import wait_for
+
+from .conftest import NAMESPACE
+
+LEASES = kmock.resource("coordination.k8s.io", "v1", "leases")
+
+
+@pytest.mark.parametrize("leader_election", [False, True], ids=["single", "leader"])
+async def test_the_operator_exits_within_5_s_of_sigterm(tmp_path: Path,
+                                                        leader_election: bool) -> None:
+    async with sandbox(tmp_path / "cluster") as box:
+        env = {**os.environ, "KUBECONFIG": str(box.kubeconfig), "POD_NAMESPACE": NAMESPACE}
+        argv = [sys.executable, "-m", "disagg_operator.cli", "run", "--metrics-port=0",
+                "--health-port=0"]
+        if leader_election:
+            argv += ["--leader-election", "--leader-id", "op-a", "--lease-seconds=15"]
+        with (tmp_path / "operator.log").open("wb") as log:
+            operator = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            await wait_for(lambda: box.watch_count() > 0, 30, "the operator to watch")
+            if leader_election:
+                await wait_for(lambda: _holder(box) == "op-a", 30, "op-a to lead")
+            sent = time.monotonic()
+            operator.send_signal(signal.SIGTERM)
+            code = await asyncio.to_thread(_wait, operator, 30)
+            took = time.monotonic() - sent
+        finally:
+            stop_process(operator)
+        text = (tmp_path / "operator.log").read_text()
+        print(f"exit {code} {took:.1f} s after SIGTERM")
+        assert code == 0 and took <= 5, (code, took, text[-3000:])
+        if leader_election:
+            assert _holder(box) == "", "the Lease was not given back"
+
+
+def _holder(box) -> str | None:  # type: ignore[no-untyped-def]
+    key = (LEASES, NAMESPACE, "disagg-operator")
+    objects = box.emulator.objects
+    if key not in objects or objects[key].deleted:
+        return None
+    return str(objects[key].raw.get("spec", {}).get("holderIdentity") or "")
+
+
+def _wait(process: subprocess.Popen[bytes], seconds: float) -> int | None:
+    try:
+        return process.wait(seconds)
+    except subprocess.TimeoutExpired:
+        return None
