@@ -40,6 +40,7 @@ from disagg_sim.evaluation import (
 from disagg_sim.profile import load_profile
 from disagg_sim.simulate import fmt
 from disagg_sim.trace import (
+    CONVERSATION_TRACE,
     apply_rate_steps,
     parse_rate_steps,
     read_trace,
@@ -48,7 +49,7 @@ from disagg_sim.trace import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 AIC = ROOT / "benchmarks" / "data" / "aiconfigurator-deepseek-v3-h200.yaml"
 
 

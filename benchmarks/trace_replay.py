@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import random
@@ -51,9 +50,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from disagg_sim.trace import CONVERSATION_TRACE, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 TRACE_BLOCK = 512  # tokens per hash id in the trace
 TIMEOUT = aiohttp.ClientTimeout(total=300)
 COMPUTED = 'vllm:prompt_tokens_by_source_total{'
@@ -154,16 +154,14 @@ def sample(trace: Path, modulo: int, max_blocks: int, limit: int) -> list[TraceR
     """Whole conversations: requests whose second hash id is 0 modulo `modulo` (all turns of a
     conversation share their leading ids), prompts capped at `max_blocks` blocks."""
     found = []
-    with trace.open() as lines:
-        for line in lines:
-            row = json.loads(line)
-            ids = row["hash_ids"]
-            if len(ids) < 2 or ids[1] % modulo:
-                continue
-            length = min(int(row["input_length"]), max_blocks * TRACE_BLOCK)
-            found.append(TraceRequest(row["timestamp"] / 1000, tuple(ids[:max_blocks]), length))
-            if len(found) >= limit:
-                break
+    for row in read_trace(trace):
+        ids = row.hash_ids
+        if len(ids) < 2 or ids[1] % modulo:
+            continue
+        length = min(row.input_length, max_blocks * TRACE_BLOCK)
+        found.append(TraceRequest(row.timestamp_ms / 1000, tuple(ids[:max_blocks]), length))
+        if len(found) >= limit:
+            break
     return found
 
 

@@ -62,8 +62,8 @@ def kernel_check() -> None:
 
 def make_model(out: Path) -> Path:
     import torch
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, PreTrainedTokenizerFast
 
     config = DeepseekV3Config(
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -109,9 +109,9 @@ def engine_check(model: Path) -> list[Run]:
         first, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
         runs = [(list(o.outputs[0].token_ids),
                  [step[t].logprob for step, t in zip(o.outputs[0].logprobs or [],
-                                                     o.outputs[0].token_ids)])
+                                                     o.outputs[0].token_ids, strict=False)])
                 for o in (first, again)]
-        gap = max((abs(a - b) for a, b in zip(runs[0][1], runs[1][1])), default=0.0)
+        gap = max((abs(a - b) for a, b in zip(runs[0][1], runs[1][1], strict=False)), default=0.0)
         print(f"   {length} tokens, {again.num_cached_tokens} cached: tokens "
               f"{'equal' if runs[0][0] == runs[1][0] else 'DIFFER'}, largest logprob gap "
               f"over the common steps {gap:.2e}")
@@ -129,7 +129,7 @@ def reference_check(model: Path, whole: list[Run]) -> None:
         with torch.no_grad():
             logits = hf(torch.tensor([prompt + generated])).logits[0].float().log_softmax(-1)
         ref = [float(logits[len(prompt) - 1 + i, t]) for i, t in enumerate(generated)]
-        gap = max(abs(a - b) for a, b in zip(ref, logprobs))
+        gap = max(abs(a - b) for a, b in zip(ref, logprobs, strict=True))
         print(f"   {len(prompt)} tokens: largest logprob gap {gap:.2e}")
 
 

@@ -19,8 +19,9 @@ from importlib.metadata import version
 from pathlib import Path
 
 import yaml
+from disagg_sim.trace import CONVERSATION_TRACE
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 TTFT_MS, TPOT_MS = 4000, 50
 TOTAL_GPUS = [32, 64]
 REUSED_SHARE = 0.366  # the trace's repeated prompt blocks (../shared/traces/README.md)

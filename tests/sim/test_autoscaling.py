@@ -5,9 +5,7 @@ configurations around the best instead of the whole sweep)."""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-import pytest
 from disagg_operator.planner import SHORTEST_LOAD_WINDOW_S, Bounds, Replicas, Targets
 from disagg_sim.evaluation import (
     best_static,
@@ -19,6 +17,7 @@ from disagg_sim.evaluation import (
 )
 from disagg_sim.profile import load_profile
 from disagg_sim.trace import (
+    CONVERSATION_TRACE,
     apply_rate_steps,
     parse_rate_steps,
     read_trace,
@@ -26,11 +25,10 @@ from disagg_sim.trace import (
     to_requests,
 )
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 TARGETS = Targets(ttft_p90_s=4.0, itl_p90_s=0.05)
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the trace lives in ../shared/traces")
 def test_the_planner_on_the_recorded_trace_against_the_best_static_configuration() -> None:
     profile = load_profile("deepseek-v3-h200")
     requests = to_requests(read_trace(TRACE))
@@ -53,7 +51,6 @@ def test_the_planner_on_the_recorded_trace_against_the_best_static_configuration
                for d in decisions)
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the trace lives in ../shared/traces")
 def test_a_rate_step_up_is_answered_between_decisions() -> None:
     """With decisions every 180 s, the queue a 3x step builds is seen by the 5 s samples and
     scales prefill up within seconds, not at the next decision."""
@@ -69,7 +66,6 @@ def test_a_rate_step_up_is_answered_between_decisions() -> None:
     assert first_up.at <= 1200 + SHORTEST_LOAD_WINDOW_S  # the next decision is at 1260
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the trace lives in ../shared/traces")
 def test_a_schedule_that_knows_the_steps_picks_each_phases_fewest_instances() -> None:
     """The known-steps reference of the autoscaling benchmark: per phase the fewest instances
     serving the goal share of its requests within both targets; one fewer prefill instance
@@ -93,7 +89,6 @@ def test_a_schedule_that_knows_the_steps_picks_each_phases_fewest_instances() ->
         assert within_between(short.outcomes, TARGETS, start, end) < 0.9
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the trace lives in ../shared/traces")
 def test_the_planner_on_rate_steps_meets_the_issues_target_when_instances_serve_at_once(
         ) -> None:
     """The rate-step row of the autoscaling benchmark (`--interval 30 --startup 0`): at least

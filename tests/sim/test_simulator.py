@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 from disagg_operator.performance import DecodeModel, PrefillModel
@@ -14,6 +13,7 @@ from disagg_sim.events import EventLoop
 from disagg_sim.profile import load_profile, parse_profile
 from disagg_sim.simulate import simulate
 from disagg_sim.trace import (
+    CONVERSATION_TRACE,
     Request,
     TraceRow,
     apply_rate_steps,
@@ -23,7 +23,7 @@ from disagg_sim.trace import (
     to_requests,
 )
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "conversation_trace.jsonl"
+TRACE = CONVERSATION_TRACE
 DECODE = DecodeModel(base_s=0.01, per_sequence_s=0.002, per_context_token_s=1e-5,
                      max_sequences=3, kv_capacity_tokens=10_000)
 
@@ -363,7 +363,6 @@ def test_unknown_profile_fields_and_policies_are_named() -> None:
         load_profile("no-such-profile")
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the trace lives in ../shared/traces")
 def test_the_whole_trace_replays_with_every_policy() -> None:
     requests = to_requests(read_trace(TRACE))
     profile = load_profile("deepseek-v3-h200")

@@ -18,6 +18,7 @@ from disagg_sim.cluster import POLICIES
 from disagg_sim.profile import load_profile
 from disagg_sim.simulate import HEADER, simulate
 from disagg_sim.trace import (
+    CONVERSATION_TRACE,
     TRACE_BLOCK,
     apply_rate_steps,
     parse_rate_steps,
@@ -27,9 +28,7 @@ from disagg_sim.trace import (
     to_requests,
 )
 
-# The repository's copy of the trace, beside the checkout (../shared/traces).
-DEFAULT_TRACE = Path(__file__).resolve().parents[4] / "shared" / "traces" / \
-    "conversation_trace.jsonl"
+DEFAULT_TRACE = CONVERSATION_TRACE
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,6 +1,8 @@
 """Requests from the Mooncake conversation trace, and transforms of its arrival times.
 
-The trace (../shared/traces/conversation_trace.jsonl) gives each request an arrival time in
+The trace (`CONVERSATION_TRACE`: the conversation workload of the Mooncake FAST'25 trace release,
+Apache License 2.0, shipped gzipped with this package; see data/README.md) gives each request an
+arrival time in
 ms, prompt and output lengths, and one hash id per 512-token prompt block; equal leading ids
 mean an equal prefix. Here each request keeps its prompt as a chain of block keys (key i stands
 for the whole prefix up to block i), so a cache can look up the longest stored prefix.
@@ -8,12 +10,14 @@ for the whole prefix up to block i), so a cache can look up the longest stored p
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 TRACE_BLOCK = 512  # prompt tokens per hash id in the trace
+CONVERSATION_TRACE = Path(__file__).resolve().parent / "data" / "conversation_trace.jsonl.gz"
 
 
 @dataclass(frozen=True)
@@ -40,8 +44,10 @@ class TraceRow:
 
 
 def read_trace(path: Path) -> list[TraceRow]:
+    """A trace file, plain or gzipped (by its name)."""
     rows = []
-    with path.open() as lines:
+    opened = gzip.open(path, "rt") if path.suffix == ".gz" else path.open()
+    with opened as lines:
         for line in lines:
             if line.strip():
                 row = json.loads(line)
