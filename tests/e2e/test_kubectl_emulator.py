@@ -166,3 +166,66 @@ async def test_kubectl_explain_reads_the_crd_schema(cluster) -> None:
     got = await kubectl(env, "explain", "disaggserving.spec.model.blockSize")
     assert got.returncode == 0, got.stderr
     assert "KV page size in tokens" in got.stdout and "FIELD: blockSize <integer>" in got.stdout
+
+
+DEPLOYMENT = """apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: default, labels: {app: web}}
+spec:
+  replicas: REPLICAS
+  selector: {matchLabels: {app: web}}
+  template:
+    metadata: {labels: {app: web}}
+    spec: {containers: [{name: web, image: IMAGE}]}
+"""
+
+
+async def test_server_side_apply_merges_by_field_manager(cluster, tmp_path) -> None:
+    """What kubectl (and the operator, and an HPA) meet on a real API server: an apply owns
+    what it names; another manager changing an owned field conflicts unless forced; a field
+    a manager stops applying goes only if no one else owns it."""
+    _, env = cluster
+
+    async def apply(manager: str, replicas: int | None, image: str = "a",
+                    *flags: str) -> subprocess.CompletedProcess[str]:
+        text = DEPLOYMENT.replace("IMAGE", image)
+        text = text.replace("REPLICAS", str(replicas)) if replicas is not None else \
+            text.replace("  replicas: REPLICAS\n", "")
+        path = tmp_path / f"{manager}-{replicas}-{image}.yaml"
+        path.write_text(text)
+        return await kubectl(env, "apply", "--server-side", f"--field-manager={manager}",
+                             "-f", str(path), *flags)
+
+    async def replicas() -> str:
+        got = await kubectl(env, "get", "deployment", "web", "-o",
+                            "jsonpath={.spec.replicas}")
+        return got.stdout
+
+    assert (await apply("alice", 3)).returncode == 0
+    conflict = await apply("bob", 5)
+    assert conflict.returncode != 0 and "conflict" in conflict.stderr.lower(), conflict
+    assert "alice" in conflict.stderr and ".spec.replicas" in conflict.stderr
+    assert await replicas() == "3"
+    assert (await apply("bob", 3)).returncode == 0  # the same value: shared, no conflict
+    assert (await apply("alice", None)).returncode == 0
+    assert await replicas() == "3"  # bob still owns it
+    assert (await apply("bob", 7, "a", "--force-conflicts")).returncode == 0
+    assert await replicas() == "7"
+    assert (await apply("bob", None)).returncode == 0
+    assert await replicas() == ""  # its last owner let go: removed
+    managers = await kubectl(env, "get", "deployment", "web", "--show-managed-fields", "-o",
+                             "jsonpath={.metadata.managedFields[*].manager}")
+    assert set(managers.stdout.split()) == {"alice", "bob"}, managers.stdout
+
+
+async def test_a_merge_patch_of_the_status_merges(cluster) -> None:
+    emu, env = cluster
+    result = await kubectl(env, "apply", "-f", str(ROOT / "examples/deepseek-v2-lite-1p2d.yaml"))
+    assert result.returncode == 0, result.stderr
+    for patch in ('{"status": {"endpoint": "http://p:8000", "observedGeneration": 1}}',
+                  '{"status": {"endpoint": null}}'):
+        done = await kubectl(env, "patch", "disaggserving", "dsv2-lite", "--subresource=status",
+                             "--type=merge", "-p", patch)
+        assert done.returncode == 0, done.stderr
+    got = await kubectl(env, "get", "disaggserving", "dsv2-lite", "-o", "jsonpath={.status}")
+    assert '"observedGeneration":1' in got.stdout and "endpoint" not in got.stdout, got.stdout

@@ -178,3 +178,39 @@ async def test_an_external_scalers_count_stays(cluster: Sandbox, api: Api) -> No
     assert "deployments/dsv2-lite-decode/scale" in autoscaling(api)["reason"]
     assert "PATCH /apis/apps/v1/namespaces/default/deployments/dsv2-lite-prefill" in \
         api.writes_since(mark)
+
+
+async def test_switching_to_external_scaling_keeps_the_replica_counts(cluster: Sandbox,
+                                                                      api: Api) -> None:
+    """3 prefill and 2 decode, then `autoscaling.mode: External`: the operator stops applying
+    `replicas`, and server-side apply removes a field that its only manager stops applying, so
+    the Deployments fell to 1 and 1 (a real API server does the same). The operator hands the
+    field over to a manager of its own before it lets go."""
+    body = copy.deepcopy(example("deepseek-v2-lite-1p2d.yaml"))
+    body["spec"].setdefault("prefill", {})["replicas"] = 3
+    body["spec"].setdefault("decode", {})["replicas"] = 2
+    await api.create(body)
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady")
+    await api.patch_spec("dsv2-lite", {"autoscaling": {"mode": "External"}})
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",
+                             generation=2)
+    await api.wait(lambda: autoscaling(api).get("mode") == "External",
+                   "the status to say External")
+    replicas = {role: (api.get("deployments", f"dsv2-lite-{role}") or {})["spec"].get("replicas")
+                for role in ("prefill", "decode")}
+    assert replicas == {"prefill": 3, "decode": 2}, replicas
+    # The scaler's writes stay, and the operator's later applies leave them.
+    await api._request(
+        "PATCH", f"/apis/apps/v1/namespaces/{NAMESPACE}/deployments/dsv2-lite-decode/scale",
+        {"spec": {"replicas": 5}}, content_type="application/merge-patch+json")
+    await api.patch_spec("dsv2-lite", {"prefill": {"gpuMemoryUtilization": 0.85}})
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",
+                             generation=3)
+    assert (api.get("deployments", "dsv2-lite-decode") or {})["spec"]["replicas"] == 5
+    assert (api.get("deployments", "dsv2-lite-prefill") or {})["spec"]["replicas"] == 3
+    # Back to the spec's counts when the operator scales again.
+    await api.patch_spec("dsv2-lite", {"autoscaling": {"mode": "Off"}})
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady",
+                             generation=4)
+    await api.wait(lambda: (api.get("deployments", "dsv2-lite-decode") or {})["spec"].get(
+        "replicas") == 2, "decode back to the spec's 2")

@@ -82,7 +82,7 @@ class RecordingApi:
     async def list_pods(self, owner):  # noqa: ANN001, ANN201
         return []
 
-    async def apply(self, manifest, dry_run=False):  # noqa: ANN001, ANN201
+    async def apply(self, manifest, dry_run=False, field_manager="disagg-operator"):  # noqa: ANN001, ANN201
         if not dry_run:
             self.children[(manifest["kind"], manifest["metadata"]["name"])] = manifest
         return manifest

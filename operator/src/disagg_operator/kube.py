@@ -16,11 +16,10 @@ from lightkube.types import CascadeType, PatchType
 
 from disagg_operator import metrics
 from disagg_operator.association import Owner, owned_labels
+from disagg_operator.field_ownership import FIELD_MANAGER
 from disagg_operator.leader import LeaseRecord
 from disagg_operator.render import Manifest
 from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
-
-FIELD_MANAGER = "disagg-operator"
 
 _RESOURCES = {
     "ConfigMap": create_namespaced_resource("", "v1", "ConfigMap", "configmaps"),
@@ -61,7 +60,8 @@ class ClusterApi(Protocol):
     async def serves(self, kind: str, namespace: str) -> bool: ...
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]: ...
     async def list_pods(self, owner: Owner) -> list[Manifest]: ...
-    async def apply(self, manifest: Manifest, dry_run: bool = False) -> Manifest: ...
+    async def apply(self, manifest: Manifest, dry_run: bool = False,
+                    field_manager: str = FIELD_MANAGER) -> Manifest: ...
     async def delete(self, kind: str, namespace: str, name: str) -> None: ...
     async def patch_status(self, namespace: str, name: str,
                            status_patch: dict[str, Any]) -> None: ...
@@ -113,12 +113,13 @@ class LightkubeApi:
                     raise  # (an add-on kind not installed has no children)
         return found
 
-    async def apply(self, manifest: Manifest, dry_run: bool = False) -> Manifest:
+    async def apply(self, manifest: Manifest, dry_run: bool = False,
+                    field_manager: str = FIELD_MANAGER) -> Manifest:
         resource = _RESOURCES[manifest["kind"]]
         metrics.API_WRITES.labels(verb="apply-dry-run" if dry_run else "apply",
                                   kind=manifest["kind"]).inc()
         async with _translated():
-            applied = await self.client.apply(resource(**manifest), field_manager=FIELD_MANAGER,
+            applied = await self.client.apply(resource(**manifest), field_manager=field_manager,
                                               force=True, dry_run=dry_run)
         return dict(applied)
 

@@ -21,6 +21,7 @@ from disagg_operator import metrics
 from disagg_operator.association import PROXY, Owner, child_name, name_problem
 from disagg_operator.autoscaler import Autoscaler, with_replicas
 from disagg_operator.etcd_health import EtcdHealthChecker
+from disagg_operator.field_ownership import HANDOVER_MANAGER, replicas_handovers
 from disagg_operator.kube import OPTIONAL_KINDS, ApiFailure, ChildKey, ClusterApi
 from disagg_operator.plan import ClusterAddressing, Plan, build_plan
 from disagg_operator.quantity import parse_quantity
@@ -223,6 +224,10 @@ class Reconciler:
             for manifest in changes:
                 target = f"{manifest['kind']}/{manifest['metadata']['name']}"
                 await self.api.apply(manifest, dry_run=True)
+            # A count the operator stops applying is handed over first, never dropped.
+            for handover in replicas_handovers(changes, observed):
+                target = f"{handover['kind']}/{handover['metadata']['name']}"
+                await self.api.apply(handover, field_manager=HANDOVER_MANAGER)
             for manifest in changes:
                 key = (manifest["kind"], manifest["metadata"]["name"])
                 target = f"{key[0]}/{key[1]}"

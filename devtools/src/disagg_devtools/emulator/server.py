@@ -30,6 +30,7 @@ import kmock
 from jsonpath_ng.ext import parse as jsonpath_parse  # type: ignore[attr-defined]
 from typing_extensions import override
 
+from disagg_devtools.emulator import field_managers
 from disagg_devtools.emulator.kmock_adapter import KmockEmulator, raw_request
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
@@ -64,6 +65,16 @@ Readiness = Literal["instant", "manual"]
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _manager(request: kmock.Request) -> str:
+    """The request's field manager: its fieldManager parameter, else its client's name (the
+    API server takes the user agent's first word)."""
+    named = request.params.get("fieldManager")
+    if named:
+        return str(named)
+    agent = request.headers.get("User-Agent", "") or "unknown"
+    return agent.split("/", 1)[0] or "unknown"
 
 
 def _age(timestamp: str) -> str:
@@ -393,6 +404,7 @@ class ClusterEmulator(KmockEmulator):
             else:
                 after = {**patched, **({"status": current["status"]} if "status" in current
                                        and self._has_status_subresource(res) else {})}
+                after = field_managers.updated(current, after, _manager(request), _now())
             return self._admit_change(request, res, current, after)
         data = request.data if isinstance(request.data, dict) else None
         is_apply = request.headers.get("Content-Type", "").startswith(APPLY_CONTENT_TYPE)
@@ -411,29 +423,35 @@ class ClusterEmulator(KmockEmulator):
                 if k in ("uid", "creationTimestamp", "generation", "namespace", "name")}}
             if "status" in current and self._has_status_subresource(res):
                 after["status"] = current["status"]
+            after = field_managers.updated(current, after, _manager(request), _now())
             _rewrite(request, method=kmock.method.PATCH)
             return self._admit_change(request, res, current, after)
         if request.method == kmock.method.PATCH and data is not None:
             if is_apply and current is None:
-                return self._as_create(request, data)
+                return self._as_create(request, data, operation="Apply")
             if current is None:
                 return request
-            if request.subresource == "status":
+            if request.subresource == "status" and is_apply:
                 after = {**current, "status": data.get("status")}
+            elif request.subresource == "status":
+                # A merge patch of the status: merged into it, a null removing a key.
+                after = {**current, "status": _deep_merge(current.get("status") or {},
+                                                          data.get("status") or {})}
             elif is_apply:
-                # One field manager owns everything it applies: its body replaces the object.
-                after = copy.deepcopy(data)
-                after["metadata"] = {**data.get("metadata", {}), **{
-                    k: v for k, v in current.get("metadata", {}).items()
-                    if k in ("uid", "creationTimestamp", "generation", "resourceVersion",
-                             "finalizers", "deletionTimestamp", "namespace", "name")}}
-                if "status" in current:
-                    after["status"] = current["status"]
+                # Merged by field manager: see field_managers.
+                force = str(request.params.get("force", "")).lower() == "true"
+                try:
+                    after = field_managers.apply(current, data, _manager(request), force,
+                                                 _now())
+                except field_managers.ApplyConflict as err:
+                    raise kmock.KubernetesError(status=409, reason="Conflict",
+                                                message=str(err)) from None
             else:
                 patch = dict(data)
                 if self._has_status_subresource(res):
                     patch.pop("status", None)
-                after = _deep_merge(current, patch)
+                after = field_managers.updated(current, _deep_merge(current, patch),
+                                               _manager(request), _now())
             return self._admit_change(request, res, current, after)
         if request.action == kmock.action.CREATE and data is not None:
             return self._as_create(request, data)
@@ -513,9 +531,10 @@ class ClusterEmulator(KmockEmulator):
                              "resourceVersion": str(next(self._versions))},
                 "status": {"phase": "Active"}}
 
-    def _as_create(self, request: kmock.Request, data: dict[str, Any]) -> kmock.Request:
+    def _as_create(self, request: kmock.Request, data: dict[str, Any],
+                   operation: str = "Update") -> kmock.Request:
         assert request.resource is not None
-        body = copy.deepcopy(data)
+        body = field_managers.created(data, _manager(request), operation, _now())
         meta = body.setdefault("metadata", {})
         if request.namespace and not meta.get("namespace"):
             meta["namespace"] = request.namespace  # kmock's namespaced watches need it
