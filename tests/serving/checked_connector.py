@@ -12,6 +12,10 @@ bytes the step computed (`"changed"`), which preempted requests still had a stor
 vLLM has freed (`"forward_while_saving"`). $KVHELPER_PROBE_NO_PREEMPT_WAIT=1 removes the
 connector's wait for those stores before the step's forward (a negative control).
 
+With $KVHELPER_PROBE_DIGESTS=1, the bytes of every block are recorded as a digest per block
+hash: each block a step computed and stores (`"saved"`), and each block a load filled, once
+filled (`"loaded"`), so a test can compare them block by block.
+
 Engines load it with `kv_connector_module_path: checked_connector` and this folder on
 PYTHONPATH (run_engine does both)."""
 
@@ -27,6 +31,7 @@ from kvhelper.connector import MooncakeStoreConnector as _Connector
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
 SAVE_DELAY = float(os.environ.get("KVHELPER_PROBE_SAVE_DELAY") or 0)
+DIGESTS = os.environ.get("KVHELPER_PROBE_DIGESTS") == "1"
 
 
 class MooncakeStoreConnector(_Connector):
@@ -83,7 +88,25 @@ class MooncakeStoreConnector(_Connector):
     def _storing(self, req_id: str) -> bool:
         return not all(future.done() for future in self.worker._saving.get(req_id, ()))
 
+    def register_kv_caches(self, kv_caches: Any) -> None:
+        super().register_kv_caches(kv_caches)
+        if DIGESTS:
+            worker, account = self.worker, self.worker._account
+
+            def digested(outcome: Any) -> None:
+                load = outcome.load
+                _record({"loaded": [[h, self._digest([b])] for h, b in zip(
+                    load.block_hashes[:outcome.good], load.block_ids[:outcome.good],
+                    strict=True)]})
+                account(outcome)
+
+            worker._account = digested
+
     def wait_for_save(self) -> None:
+        if DIGESTS:
+            for save in self._get_connector_metadata().saves:
+                _record({"saved": [[h, self._digest([b])] for h, b in zip(
+                    save.block_hashes, save.block_ids, strict=False)]})
         if not SAVE_DELAY:
             return super().wait_for_save()
         worker = self.worker

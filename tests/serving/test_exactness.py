@@ -3,9 +3,10 @@ XpYd deployment, in float32, against one plain instance, by per-token logprobs (
 `exactness.TOLERANCE`) and greedy tokens, for GQA and MLA and both connector implementations.
 
 kvhelper runs 2 prefill and 1 decode instances with decode saving, so that the routes a prompt
-can take all occur and are counted: prefill loading what another instance stored, decode loading
-after a partial local prefix-cache hit (GQA: vLLM's CPU MLA backend keeps no prefix cache),
-skip-prefill, and decode saving. vLLM's connector runs 1P1D. The negative control corrupts one
+can take all occur and are counted: prefill loading what another instance stored (each
+conversation's last turn also goes through every prefill instance, since the proxy keeps a
+conversation where its history is), decode loading after a partial local prefix-cache hit (GQA:
+vLLM's CPU MLA backend keeps no prefix cache), skip-prefill, and decode saving. vLLM's connector runs 1P1D. The negative control corrupts one
 stored page of a prompt before decode loads it: the criterion must see it.
 
 The seed is printed; DISAGG_EXACTNESS_SEED replays one."""
@@ -167,6 +168,13 @@ def test_answers_through_prefill_and_decode_equal_a_plain_instance(stack, tmp_pa
                 answer, _ = await ask(session, stack.url, stack.served, text)
                 answers.append(answer)
                 last[conversation] = (text, answer.text)
+            # The proxy keeps a conversation on the prefill instance that holds its history:
+            # each conversation's next turn also goes through every prefill instance, so that
+            # one of them computes it over what another stored.
+            for conversation in range(talk.conversations):
+                text = talk.prompt(conversation, last[conversation][1])
+                for prefill_url in stack.urls("prefill"):
+                    answers.append(await _through(session, stack, prefill_url, text))
             routes = await _settled(session, stack, before)
             return answers, routes
 
@@ -188,6 +196,17 @@ def test_answers_through_prefill_and_decode_equal_a_plain_instance(stack, tmp_pa
             assert routes["decode_local_hit_tokens"] > 0, report
     else:
         assert routes["external_hit_tokens"] > 0, report
+
+
+async def _through(session: aiohttp.ClientSession, stack: Stack, prefill_url: str,
+                   text: str) -> Answer:
+    """A prompt prefilled by this instance and decoded by the decode instance, as the proxy
+    pairs them."""
+    _, prefilled = await ask(session, prefill_url, stack.served, text, max_tokens=1,
+                             kv_transfer_params={"do_remote_decode": True})
+    answer, _ = await ask(session, stack.urls("decode")[0], stack.served, text,
+                          kv_transfer_params=prefilled["kv_transfer_params"])
+    return answer
 
 
 async def _settled(session: aiohttp.ClientSession, stack: Stack,
