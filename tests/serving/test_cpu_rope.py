@@ -17,9 +17,10 @@ from .exactness import TOLERANCE, compare
 
 
 def test_mla_shaped_queries_and_keys_rotate_as_vllms_pytorch_formula() -> None:
-    from kvhelper import vllm_cpu_rope
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    from kvhelper import vllm_cpu_rope
 
     assert vllm_cpu_rope.exact()
     with set_current_vllm_config(VllmConfig()):

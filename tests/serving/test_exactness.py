@@ -6,8 +6,9 @@ kvhelper runs 2 prefill and 1 decode instances with decode saving, so that the r
 can take all occur and are counted: prefill loading what another instance stored (each
 conversation's last turn also goes through every prefill instance, since the proxy keeps a
 conversation where its history is), decode loading after a partial local prefix-cache hit (GQA:
-vLLM's CPU MLA backend keeps no prefix cache), skip-prefill, and decode saving. vLLM's connector runs 1P1D. The negative control corrupts one
-stored page of a prompt before decode loads it: the criterion must see it.
+vLLM's CPU MLA backend keeps no prefix cache), skip-prefill, and decode saving. vLLM's connector
+runs 1P1D. The negative control corrupts one stored page of a prompt before decode loads it: the
+criterion must see it.
 
 The seed is printed; DISAGG_EXACTNESS_SEED replays one."""
 

@@ -230,10 +230,11 @@ def demo_cmd(path: Path, run_dir: Path | None, python: str, prompt: str) -> None
     click.echo(f"{name} ready at {url} after {time.monotonic() - started:.0f}s")
     try:
         body = {"model": spec.model.served_model_name or spec.model.name, "prompt": prompt,
-                "max_tokens": 16, "temperature": 0}
+                "max_tokens": 16, "temperature": 0, "logprobs": 1, "return_token_ids": True}
         answer = _post(f"{url}/v1/completions", body)
+        choice = answer["choices"][0]
         click.echo(f"prompt:     {prompt}")
-        click.echo(f"completion: {answer['choices'][0]['text']!r}")
+        click.echo(f"completion: {choice['text']!r}")
         click.echo(f"usage:      {answer.get('usage')}")
         blocks, nbytes = _kv_loaded(url, deadline=time.monotonic() + 30)
         click.echo(f"KV moved:   the decode instances loaded {blocks:.0f} blocks "
@@ -242,6 +243,35 @@ def demo_cmd(path: Path, run_dir: Path | None, python: str, prompt: str) -> None
     finally:
         stop_recorded(folder, lambda _: None)
         click.echo("stopped")
+    click.echo(_against_a_single_instance(spec, python, list(choice["prompt_token_ids"]),
+                                          list(choice["token_ids"]),
+                                          list(choice["logprobs"]["token_logprobs"])))
+
+
+def _against_a_single_instance(spec: DisaggServingSpec, python: str, prompt: list[int],
+                               tokens: list[int], logprobs: list[float]) -> str:
+    """What one plain vLLM instance answers to the same prompt tokens, against this answer."""
+    request = {"model": spec.model.name, "dtype": spec.model.dtype,
+               "max_model_len": spec.model.max_model_len or 1024, "prompts": [prompt],
+               "max_tokens": len(tokens)}
+    found = subprocess.run([python, "-m", "disagg_devtools.local.single_instance",
+                            json.dumps(request)], capture_output=True, text=True, timeout=600)
+    if found.returncode != 0:
+        return f"single instance: could not run ({found.stderr.strip()[-300:]})"
+    single = json.loads(found.stdout.strip().splitlines()[-1])
+    same = single["tokens"][0] == tokens
+    gap = 0.0
+    for a, b, x, y in zip(single["logprobs"][0], logprobs, single["tokens"][0], tokens,
+                          strict=False):
+        if x != y:
+            break  # past here the two answer different prompts
+        gap = max(gap, abs(a - b))
+    noise = ("" if spec.model.dtype in ("float", "float32") else
+             " (in 16-bit floats two ways of batching one prompt differ by up to about 5e-2;"
+             " the float32 tests hold 1e-3)")
+    return (f"single instance: {'the same' if same else 'NOT the same'} {len(tokens)} tokens "
+            f"as one plain vLLM instance ({spec.model.dtype}); largest logprob gap {gap:.1e}"
+            f"{noise}")
 
 
 def _kv_loaded(proxy_url: str, deadline: float) -> tuple[float, float]:
