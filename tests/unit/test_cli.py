@@ -55,3 +55,28 @@ def test_commands_without_their_extra_name_the_extra(missing: str, monkeypatch) 
         expected = "disagg-devtools[emulator]"
     assert result.exit_code == 1 and expected in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_render_refuses_a_name_the_operator_would_refuse(tmp_path: Path) -> None:
+    """`render` exited 0 for a 48-character name and printed 64-character child names."""
+    doc = (ROOT / "examples/deepseek-v2-lite-1p2d.yaml").read_text()
+    path = tmp_path / "long.yaml"
+    path.write_text(doc.replace("name: dsv2-lite", "name: " + "x" * 48, 1))
+    result = CliRunner().invoke(main, ["render", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "metadata.name is 48 characters" in result.output
+    assert "Deployment" not in result.output
+
+
+@pytest.mark.parametrize("field", ["prefill", "decode"])
+def test_replica_counts_have_an_upper_bound(field: str, tmp_path: Path) -> None:
+    """`decode.replicas: 9999999999` reached the Deployment (int32 on the API server)."""
+    import yaml
+
+    doc = yaml.safe_load((ROOT / "examples/deepseek-v2-lite-1p2d.yaml").read_text())
+    doc["spec"].setdefault(field, {})["replicas"] = 9999999999
+    path = tmp_path / "many.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(main, ["render", str(path)])
+    assert result.exit_code == 2, result.output
+    assert f"{field}.replicas" in result.output and "1000" in result.output

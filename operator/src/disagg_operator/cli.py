@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import yaml
 
-from disagg_operator.association import Owner
+from disagg_operator.association import Owner, name_problem
 from disagg_operator.crd import render_crd_yaml
 from disagg_operator.render import render_spec
 from disagg_operator.spec import InvalidSpecError, parse_spec
@@ -42,12 +42,15 @@ def render_cmd(path: Path, namespace: str, default_image: str,
     """Print the objects the operator would create for a DisaggServing YAML file."""
     doc = yaml.safe_load(path.read_text())
     meta = doc.get("metadata") or {}
+    name = str(meta.get("name", "unnamed"))
     try:
+        if problem := name_problem(name):  # the operator's (and the CRD's) rule
+            raise InvalidSpecError("", problem)
         spec = parse_spec(doc.get("spec"))
     except InvalidSpecError as err:
         click.echo(f"error: {path}: {err}", err=True)
         sys.exit(2)
-    owner = Owner(meta.get("name", "unnamed"), meta.get("namespace", namespace), "<uid>")
+    owner = Owner(name, meta.get("namespace", namespace), "<uid>")
     objects = render_spec(owner, spec, default_image, operator_namespace=operator_namespace)
     click.echo(yaml.safe_dump_all(objects, sort_keys=False), nl=False)
 

@@ -212,6 +212,11 @@ UNSUPPORTED_VLLM_FLAGS = dict.fromkeys(
     "different layers, so they would overwrite each other's pages; use tensorParallelSize")
 
 
+# Far above any deployment of vLLM instances, far below the API server's int32: a typo
+# (an extra digit or nine) is refused here, naming the field, not by the Deployment.
+MAX_REPLICAS = 1000
+
+
 class TopologyAffinitySpec(_Model):
     topology_key: str = Field(min_length=1, description="The node label of the domain, e.g. "
                               "topology.kubernetes.io/zone or a rack label.")
@@ -222,7 +227,7 @@ class TopologyAffinitySpec(_Model):
 class RoleSpec(_Model):
     """A vLLM role (prefill or decode)."""
 
-    replicas: int = Field(default=1, ge=0, description="Number of vLLM instances.")
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Number of vLLM instances.")
     tensor_parallel_size: int = Field(default=1, ge=1, le=64,
                                       description="Tensor-parallel ranks per data-parallel rank.")
     data_parallel_size: int = Field(
@@ -288,7 +293,7 @@ class ServiceSpec(_Model):
 
 
 class ProxySpec(_Model):
-    replicas: int = Field(default=1, ge=0)
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
     api_key_secret: SecretKeyRef | None = Field(
         default=None, description="Secret holding the API key clients must present to the "
         "proxy (Authorization: Bearer ...); default: none.")
@@ -421,7 +426,7 @@ class StoreSpec(_Model):
     each contributing `segmentSize` of memory to the store's pool."""
 
     replicas: int = Field(
-        default=0, ge=0, description="Store pods. 0: every vLLM pod contributes "
+        default=0, ge=0, le=MAX_REPLICAS, description="Store pods. 0: every vLLM pod contributes "
         "kvTransfer.mooncake.globalSegmentSize to the pool, and an instance that leaves "
         "(scale-down, rollout) takes the pages placed in it. Above 0: the pages live in these "
         "pods only (vLLM pods contribute none), so scaling and rollouts keep the cache.")
@@ -477,8 +482,10 @@ class PerformanceProfileSpec(_Model):
 
 
 class ReplicaBoundsSpec(_Model):
-    min_replicas: int = Field(default=1, ge=1, description="Fewest instances the planner keeps.")
-    max_replicas: int = Field(default=8, ge=1, description="Most instances the planner asks for.")
+    min_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS,
+                              description="Fewest instances the planner keeps.")
+    max_replicas: int = Field(default=8, ge=1, le=MAX_REPLICAS,
+                              description="Most instances the planner asks for.")
 
     cel_rules = (CelRule(rule="self.minReplicas <= self.maxReplicas",
                          message="minReplicas must not exceed maxReplicas"),)
