@@ -328,3 +328,24 @@ async def test_a_kv_change_rolls_prefill_and_decode_side_by_side(cluster: Sandbo
                                                   f"dsv2-lite-{role}")
     await api.wait_condition("dsv2-lite", "Progressing", "False", "RolloutComplete",
                              generation=2)
+
+
+async def test_an_object_the_operator_does_not_own_is_never_taken_over(cluster, api) -> None:
+    """A user's ConfigMap that has a child's name: the operator used to force-apply over it,
+    and deleting the DisaggServing then garbage-collected the user's object. It now leaves it
+    as it is, says which object is in the way, and goes on once it is gone."""
+    mine = {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "dsv2-lite-config", "namespace": NAMESPACE},
+            "data": {"owner": "a user"}}
+    await api._request("POST", f"/api/v1/namespaces/{NAMESPACE}/configmaps", mine)
+    await api.create(example("deepseek-v2-lite-1p2d.yaml"))
+    cond = await api.wait_condition("dsv2-lite", "Degraded", "True", "Conflict")
+    assert "ConfigMap dsv2-lite-config" in cond["message"], cond
+    theirs = api.get("configmaps", "dsv2-lite-config", group="") or {}
+    assert theirs.get("data") == {"owner": "a user"}, theirs
+    assert not theirs["metadata"].get("ownerReferences"), theirs
+    assert api.condition("dsv2-lite", "Ready")["status"] == "False"
+    await api.delete(f"/api/v1/namespaces/{NAMESPACE}/configmaps/dsv2-lite-config")
+    await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady")
+    ours = api.get("configmaps", "dsv2-lite-config", group="") or {}
+    assert ours["metadata"]["ownerReferences"][0]["kind"] == "DisaggServing"

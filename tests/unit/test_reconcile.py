@@ -82,6 +82,9 @@ class RecordingApi:
     async def list_pods(self, owner):  # noqa: ANN001, ANN201
         return []
 
+    async def get(self, kind, namespace, name):  # noqa: ANN001, ANN201
+        return self.children.get((kind, name))
+
     async def apply(self, manifest, dry_run=False, field_manager="disagg-operator"):  # noqa: ANN001, ANN201
         if not dry_run:
             self.children[(manifest["kind"], manifest["metadata"]["name"])] = manifest

@@ -60,6 +60,7 @@ class ClusterApi(Protocol):
     async def serves(self, kind: str, namespace: str) -> bool: ...
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]: ...
     async def list_pods(self, owner: Owner) -> list[Manifest]: ...
+    async def get(self, kind: str, namespace: str, name: str) -> Manifest | None: ...
     async def apply(self, manifest: Manifest, dry_run: bool = False,
                     field_manager: str = FIELD_MANAGER) -> Manifest: ...
     async def delete(self, kind: str, namespace: str, name: str) -> None: ...
@@ -80,6 +81,16 @@ class LightkubeApi:
             pods = [dict(item) async for item in self.client.list(
                 _POD, namespace=owner.namespace, labels=dict(owned_labels(owner.name)))]
         return pods
+
+    async def get(self, kind: str, namespace: str, name: str) -> Manifest | None:
+        """The object of this kind and name, whoever owns it; None if there is none."""
+        try:
+            async with _translated():
+                return dict(await self.client.get(_RESOURCES[kind], name, namespace=namespace))
+        except ApiFailure as err:
+            if err.code == 404:
+                return None
+            raise
 
     async def serves(self, kind: str, namespace: str) -> bool:
         """Whether the API server serves this kind (an add-on's CRD is installed): a list in

@@ -190,6 +190,7 @@ class Reconciler:
             return await self._finish(owner, seen, previous, result)
 
         apply_error: str | None = None
+        error_reason = "ApplyFailed"
         pods: list[Manifest] = []
         try:
             pods = await self.api.list_pods(owner)
@@ -219,6 +220,16 @@ class Reconciler:
             observed = await self.api.list_children(owner)
             changes = [m for m in desired if apply_reason(
                 m, observed.get((m["kind"], m["metadata"]["name"]))) is not None]
+            # A child's name taken by an object this DisaggServing does not own: never
+            # adopted (its owner's delete would garbage-collect it), named in the status.
+            for manifest in changes:
+                key = (manifest["kind"], manifest["metadata"]["name"])
+                if key not in observed and await self.api.get(
+                        key[0], owner.namespace, key[1]) is not None:
+                    raise ChildConflict(f"{key[0]} {key[1]} already exists and does not "
+                                        f"belong to this DisaggServing: the operator leaves "
+                                        "it as it is; delete or rename it (or give the "
+                                        "DisaggServing another name), and the operator goes on")
             # The API server validates every change (dry run) before any is made, so a change
             # it refuses (e.g. an immutable StatefulSet field) leaves the children as they were.
             for manifest in changes:
@@ -242,13 +253,16 @@ class Reconciler:
                 result.pruned.append(key)
         except ApiFailure as err:
             apply_error = f"the API server refused {target}: {err.message}"
+        except ChildConflict as err:
+            apply_error, error_reason = str(err), "Conflict"
 
         health = await self.etcd.check(plan.etcd_endpoints, plan.etcd_health_via)
         observation = Observation(
             generation=generation, desired=desired, observed=observed,
             etcd_mode="Managed" if plan.etcd_managed else "External",
             etcd_endpoints=plan.etcd_endpoints, etcd_health=health,
-            endpoint=self._endpoint(owner, plan), apply_error=apply_error, pods=pods,
+            endpoint=self._endpoint(owner, plan), apply_error=apply_error,
+            apply_error_reason=error_reason, pods=pods,
             roles={child_name(owner.name, c.role): c.role for c in plan.components},
             autoscaling=scaling.status if scaling else None)
         result.status = compute_status(observation, previous, self.clock())
@@ -282,6 +296,10 @@ class Reconciler:
         host = ClusterAddressing(owner.namespace, self.cluster_domain).service_host(
             child_name(owner.name, PROXY))
         return f"http://{host}:{plan.proxy_port}"
+
+
+class ChildConflict(Exception):
+    """A child's name is taken by an object that is not this DisaggServing's."""
 
 
 def _reason(status: Mapping[str, Any]) -> str:

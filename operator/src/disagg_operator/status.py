@@ -63,6 +63,7 @@ class Observation:
     endpoint: str
     roles: Mapping[str, str]  # workload name -> the plan's role for it
     apply_error: str | None = None
+    apply_error_reason: str = "ApplyFailed"  # or Conflict: a child's name is taken
     pods: list[Manifest] = field(default_factory=list)  # the serving pods, as listed
     # status.autoscaling as the autoscaler decided it (None: autoscaling is off); the
     # instance counts are filled in here from the workloads.
@@ -195,7 +196,7 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
     etcd_ok = obs.etcd_health is not None and obs.etcd_health.healthy
 
     if obs.apply_error:
-        ready = ("False", "ApplyFailed", obs.apply_error)
+        ready = ("False", obs.apply_error_reason, obs.apply_error)
     elif zero:
         ready = ("False", "ScaledToZero",
                  f"{', '.join(zero)} has 0 replicas: scale it up to serve requests")
@@ -220,7 +221,7 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
         progressing = ("False", "RolloutComplete", "all components run the latest spec")
 
     if obs.apply_error:
-        degraded = ("True", "ApplyFailed", obs.apply_error)
+        degraded = ("True", obs.apply_error_reason, obs.apply_error)
     elif failing:
         degraded = ("True", "WorkloadFailing", "; ".join(f"{w.role}: {w.failure}"
                                                         for w in failing))
