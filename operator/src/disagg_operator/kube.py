@@ -84,13 +84,14 @@ class LightkubeApi:
 
     async def get(self, kind: str, namespace: str, name: str) -> Manifest | None:
         """The object of this kind and name, whoever owns it; None if there is none."""
+        found: Manifest | None = None
         try:
             async with _translated():
-                return dict(await self.client.get(_RESOURCES[kind], name, namespace=namespace))
+                found = dict(await self.client.get(_RESOURCES[kind], name, namespace=namespace))
         except ApiFailure as err:
-            if err.code == 404:
-                return None
-            raise
+            if err.code != 404:
+                raise
+        return found
 
     async def serves(self, kind: str, namespace: str) -> bool:
         """Whether the API server serves this kind (an add-on's CRD is installed): a list in
