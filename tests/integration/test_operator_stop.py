@@ -65,3 +65,31 @@ def _wait(process: subprocess.Popen[bytes], seconds: float) -> int | None:
         return process.wait(seconds)
     except subprocess.TimeoutExpired:
         return None
+
+
+async def test_a_replica_that_cannot_start_exits_without_holding_the_lease(tmp_path: Path) -> None:
+    """Its metrics port taken: the replica took the Lease, then its start-up failed, and it
+    held the Lease while never reconciling. It now exits at once, naming the port, and a
+    standby can lead."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    async with sandbox(tmp_path / "cluster") as box:
+        env = {**os.environ, "KUBECONFIG": str(box.kubeconfig), "POD_NAMESPACE": NAMESPACE}
+        argv = [sys.executable, "-m", "disagg_operator.cli", "run", f"--metrics-port={port}",
+                "--health-port=0", "--leader-election", "--leader-id", "op-a",
+                "--lease-seconds=15"]
+        with (tmp_path / "operator.log").open("wb") as log:
+            operator = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            code = await asyncio.to_thread(_wait, operator, 30)
+        finally:
+            stop_process(operator)
+            taken.close()
+        text = (tmp_path / "operator.log").read_text()
+        assert code not in (None, 0), text[-3000:]
+        assert f"--metrics-port {port}" in text, text[-3000:]
+        assert not _holder(box), "a replica that cannot serve holds the Lease"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import socket
 import sys
@@ -117,7 +118,7 @@ def run_cmd(namespaces: tuple[str, ...], default_image: str, resync_seconds: flo
             "(the operator image has it)") from None
 
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat[log_format.upper()])
-    stop_flag, lease_lost = threading.Event(), threading.Event()
+    stop_flag, lease_lost = asyncio.Event(), threading.Event()
     election = None
     if leader_election:
         identity = leader_id or f"{socket.gethostname()}-{secrets.token_hex(3)}"

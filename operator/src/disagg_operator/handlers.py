@@ -59,7 +59,10 @@ class OperatorConfig:
     leader_election: ElectionSettings | None = None
     lease_namespace: str = "default"
     lease_name: str = "disagg-operator"
-    stop_flag: threading.Event | None = None
+    # An asyncio flag, set in kopf's loop: kopf waits for a threading one in an executor
+    # thread, which kept the process from exiting on any stop it did not set (SIGTERM, a
+    # failed start-up) until the grace period's SIGKILL.
+    stop_flag: asyncio.Event | None = None
     lease_lost: threading.Event | None = None
 
 
@@ -102,6 +105,13 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 @kopf.on.startup(registry=registry)
 async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     config: OperatorConfig = memo.config
+    if config.metrics_port is not None:
+        # First, before any Lease is taken: a replica that cannot start must not lead.
+        try:
+            start_http_server(config.metrics_port)
+        except OSError as err:
+            raise kopf.PermanentError(f"--metrics-port {config.metrics_port}: {err}; choose "
+                                      "another port, or 0 to turn metrics off") from None
     settings.persistence.finalizer = FINALIZER
     settings.posting.loggers = False  # only the Events we post on purpose, not log lines
     settings.watching.server_timeout = 300
@@ -131,8 +141,6 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
             config.leader_election)
         memo.context = OperatorContext(config, client, reconciler, wakeboard, elector.leading,
                                        elector, asyncio.create_task(_lead(elector, config)))
-    if config.metrics_port is not None:
-        start_http_server(config.metrics_port)
 
 
 async def _lead(elector: LeaderElector, config: OperatorConfig) -> None:
@@ -149,8 +157,7 @@ async def _lead(elector: LeaderElector, config: OperatorConfig) -> None:
 async def stop(memo: kopf.Memo, **_: Any) -> None:
     config: OperatorConfig = memo.config
     if config.stop_flag is not None:
-        # kopf waits for a threading flag in an executor thread, and the process cannot exit
-        # (e.g. on SIGTERM) while that thread waits: raise it on any stop.
+        # kopf's waiter on the flag is a task it would otherwise wait 5 s for as "hung".
         config.stop_flag.set()
     context: OperatorContext | None = getattr(memo, "context", None)
     if context is not None:
