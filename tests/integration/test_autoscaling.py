@@ -214,3 +214,34 @@ async def test_switching_to_external_scaling_keeps_the_replica_counts(cluster: S
                              generation=4)
     await api.wait(lambda: (api.get("deployments", "dsv2-lite-decode") or {})["spec"].get(
         "replicas") == 2, "decode back to the spec's 2")
+
+
+async def test_kubectl_scale_in_planner_mode_is_explained(cluster: Sandbox, api: Api,
+                                                          pages: MetricPagesServer) -> None:
+    """`kubectl scale dsv --replicas 5` in Planner mode printed "scaled" and did nothing. The
+    planner still decides the count; the status says the spec's count is not followed and what
+    to do instead, and a Warning Event says it once."""
+    body = copy.deepcopy(example("deepseek-v2-lite-1p2d.yaml"))
+    body["spec"]["autoscaling"] = {
+        "mode": "Planner", "ttftP90Seconds": 2.0, "itlP90Seconds": 0.05,
+        "intervalSeconds": 10, "profile": PROFILE, "decode": {"maxReplicas": 8}}
+    add_pods(cluster)
+    await api.create(body)
+    await api.wait(lambda: autoscaling(api).get("decode") == {"desired": 2, "current": 2},
+                   "the spec's 2 decode instances, ready")
+    assert "specIgnored" not in autoscaling(api)
+    await api._request(  # what `kubectl scale disaggserving dsv2-lite --replicas 5` sends
+        "PATCH", f"/apis/serving.disagg.dev/v1alpha1/namespaces/{NAMESPACE}/{PLURAL}/"
+        "dsv2-lite/scale", {"spec": {"replicas": 5}},
+        content_type="application/merge-patch+json")
+    await api.wait(lambda: "specIgnored" in autoscaling(api), "the status to explain")
+    note = autoscaling(api)["specIgnored"]
+    assert "spec.decode.replicas is 5" in note and "maxReplicas" in note and "Off" in note
+    assert (api.get("deployments", "dsv2-lite-decode") or {})["spec"]["replicas"] == 2
+    await api.wait(lambda: [e for e in api.events("ScaleIgnored") if e["type"] == "Warning"],
+                   "a Warning Event")
+    await api._request(
+        "PATCH", f"/apis/serving.disagg.dev/v1alpha1/namespaces/{NAMESPACE}/{PLURAL}/"
+        "dsv2-lite/scale", {"spec": {"replicas": 2}},
+        content_type="application/merge-patch+json")
+    await api.wait(lambda: "specIgnored" not in autoscaling(api), "the note to go")

@@ -153,3 +153,15 @@ async def test_a_multi_node_instance_without_leaderworkerset_applies_nothing() -
     assert "install the LeaderWorkerSet controller" in ready["message"]
     assert api.children == {} and result.applied == []
     assert [e.reason for e in result.events] == ["LeaderWorkerSetMissing"]
+
+
+def test_a_status_patch_removes_keys_gone_from_nested_maps() -> None:
+    """The API server merges a status patch: a key left out of a nested map stays unless it is
+    sent as null (status.autoscaling.specIgnored, once the spec's count is back)."""
+    from disagg_operator.reconcile import merge_patch
+
+    old = {"autoscaling": {"mode": "Planner", "specIgnored": "x", "decode": {"desired": 2}},
+           "endpoint": "e"}
+    new = {"autoscaling": {"mode": "Planner", "decode": {"desired": 3}}}
+    assert merge_patch(old, new) == {"endpoint": None, "autoscaling": {
+        "mode": "Planner", "specIgnored": None, "decode": {"desired": 3}}}

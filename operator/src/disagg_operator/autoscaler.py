@@ -143,6 +143,26 @@ class _PlannerState:
     last_load: Load | None = None  # what the last decision saw
     decided_at: str | None = None
     load: dict[str, float] = field(default_factory=dict)
+    # The spec's counts when the planner started from them: a later change (kubectl scale)
+    # is not followed, and the status says so.
+    spec_replicas: tuple[int, int] = (0, 0)
+
+
+def _spec_ignored(spec: DisaggServingSpec, state: _PlannerState) -> str | None:
+    """What the status says when a role's spec count changed under the planner (kubectl
+    scale writes spec.decode.replicas), which it does not follow."""
+    changed = [(role, count, getattr(state.replicas, role), getattr(spec.autoscaling, role))
+               for role, count, seeded in (
+                   ("prefill", spec.prefill.replicas, state.spec_replicas[0]),
+                   ("decode", spec.decode.replicas, state.spec_replicas[1]))
+               if count != seeded]
+    if not changed:
+        return None
+    return "; ".join(
+        f"spec.{role}.replicas is {count}, and in Planner mode the planner sets the count "
+        f"(now {now}, within autoscaling.{role}.minReplicas {bounds.min_replicas} and "
+        f"maxReplicas {bounds.max_replicas}): to choose it, set those bounds, or set "
+        "autoscaling.mode to Off" for role, count, now, bounds in changed)
 
 
 class Autoscaler:
@@ -236,7 +256,8 @@ class Autoscaler:
             for role, count in (("prefill", replicas.prefill), ("decode", replicas.decode)):
                 planner.seed(now, role, count)  # no scale-down before a window of decisions
             state = _PlannerState(spec.autoscaling, planner, replicas, next_at=now,
-                                  reason="measuring the first interval")
+                                  reason="measuring the first interval",
+                                  spec_replicas=(spec.prefill.replicas, spec.decode.replicas))
             self._states[uid] = state
         state.targets = scrape_targets(spec, pods)
         if self.sample_seconds is not None and uid not in self._samplers:
@@ -244,7 +265,10 @@ class Autoscaler:
                 self._sample_every(uid, self.sample_seconds), name=f"kv-samples-{uid}")
         if now >= state.next_at:
             await self._decide(state, spec, pods, now)
-        return Scaling(state.replicas, self._status(state))
+        status = self._status(state)
+        if ignored := _spec_ignored(spec, state):
+            status["specIgnored"] = ignored
+        return Scaling(state.replicas, status)
 
     async def _decide(self, state: _PlannerState, spec: DisaggServingSpec,
                       pods: Sequence[Manifest], now: float) -> None:

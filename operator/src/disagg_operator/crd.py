@@ -51,6 +51,9 @@ _AUTOSCALING_STATUS: dict[str, Any] = {
         "prefill": _SCALED_ROLE,
         "decode": _SCALED_ROLE,
         "reason": {"type": "string", "description": "Why the last decision was made."},
+        "specIgnored": {"type": "string", "description": "Planner mode: a spec replica count "
+                        "changed after the planner started (e.g. kubectl scale), which the "
+                        "planner does not follow, and what to do instead."},
         "lastDecisionTime": {"type": "string", "format": "date-time"},
         "load": {"type": "object", "description": "What the last decision saw.",
                  "additionalProperties": {"type": "number"}},

@@ -272,7 +272,7 @@ class Reconciler:
     async def _finish(self, owner: Owner, seen: dict[str, Any], previous: dict[str, Any],
                       result: ReconcileResult) -> ReconcileResult:
         if result.status != previous:
-            patch = {**result.status, **{k: None for k in previous if k not in result.status}}
+            patch = merge_patch(previous, result.status)
             await self.api.patch_status(owner.namespace, owner.name, patch)
             result.status_written = True
             self._written[owner.uid].wrote(seen, previous, result.status)
@@ -296,6 +296,19 @@ class Reconciler:
         host = ClusterAddressing(owner.namespace, self.cluster_domain).service_host(
             child_name(owner.name, PROXY))
         return f"http://{host}:{plan.proxy_port}"
+
+
+def merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """A JSON merge patch that turns `old` into `new`: the API server merges a status patch
+    into the stored status, so a key gone from a nested map must be sent as null."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(before, Mapping) and isinstance(value, Mapping):
+            patch[key] = merge_patch(before, value)
+        else:
+            patch[key] = value
+    return patch
 
 
 class ChildConflict(Exception):

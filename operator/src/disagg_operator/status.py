@@ -356,6 +356,9 @@ def transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpe
         now = (new.get(role) or {}).get("replicas")
         if was is not None and now is not None and was != now and role not in autoscaled:
             events.append(EventSpec("Normal", "Scaled", f"{role} scaled from {was} to {now}"))
+    ignored = (new.get("autoscaling") or {}).get("specIgnored")
+    if ignored and ignored != (old.get("autoscaling") or {}).get("specIgnored"):
+        events.append(EventSpec("Warning", "ScaleIgnored", ignored))
     deg_before, deg_after = condition(old, DEGRADED), condition(new, DEGRADED)
     if deg_after and deg_after["status"] == "True" and deg_after["reason"] not in (
             "InvalidSpec", "ApplyFailed", "EtcdUnhealthy", "LeaderWorkerSetMissing") and (
