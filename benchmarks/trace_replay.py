@@ -1,4 +1,4 @@
-"""Replay whole conversations of the Mooncake conversation trace (../shared/traces) through local
+"""Replay whole conversations of the Mooncake conversation trace (disagg_sim's copy) through local
 deployments of the tiny models, and report how much of the prompt work each one computes
 against the ideal of a cluster-wide prefix cache, with TTFT and end-to-end latency; all stacks
 measured in this run, on the same replay:
@@ -24,8 +24,8 @@ measured in this run, on the same replay:
 The mapping is deterministic: each trace hash id (a 512-token block) becomes one fixed block of
 `--block-tokens` random token ids (one vLLM block), a partial last block keeps its share of
 tokens, and prompts are capped at `--max-blocks` blocks, so the sharing structure is exact.
-Whole conversations are sampled (requests whose second hash id is 0 modulo `--modulo`, as
-../shared/traces/README.md explains) and time is compressed `--speedup` times. Bounded: a
+Whole conversations are sampled (requests whose second hash id is 0 modulo `--modulo`: all
+turns of a conversation share their leading ids) and time is compressed `--speedup` times. Bounded: a
 fixed number of requests, each with a timeout. As root it runs in a private network namespace.
 
 Every engine runs one unbound OpenMP thread (`--engine-threads`, 0 for vLLM's own binding;

@@ -24,7 +24,7 @@ from disagg_sim.trace import CONVERSATION_TRACE
 TRACE = CONVERSATION_TRACE
 TTFT_MS, TPOT_MS = 4000, 50
 TOTAL_GPUS = [32, 64]
-REUSED_SHARE = 0.366  # the trace's repeated prompt blocks (../shared/traces/README.md)
+REUSED_SHARE = 0.366  # the trace's repeated prompt blocks (simulator/src/disagg_sim/data/README.md)
 
 
 def main() -> None:
