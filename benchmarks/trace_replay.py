@@ -25,8 +25,9 @@ The mapping is deterministic: each trace hash id (a 512-token block) becomes one
 `--block-tokens` random token ids (one vLLM block), a partial last block keeps its share of
 tokens, and prompts are capped at `--max-blocks` blocks, so the sharing structure is exact.
 Whole conversations are sampled (requests whose second hash id is 0 modulo `--modulo`: all
-turns of a conversation share their leading ids) and time is compressed `--speedup` times. Bounded: a
-fixed number of requests, each with a timeout. As root it runs in a private network namespace.
+turns of a conversation share their leading ids) and time is compressed `--speedup` times.
+Bounded: a fixed number of requests, each with a timeout. As root it runs in a private network
+namespace.
 
 Every engine runs one unbound OpenMP thread (`--engine-threads`, 0 for vLLM's own binding;
 disagg_devtools.local.runner.share_cores says why).
