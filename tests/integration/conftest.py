@@ -10,12 +10,15 @@ from typing import Any
 import kmock
 import pytest
 import yaml
+from disagg_devtools.emulator.metric_pages import MetricPagesServer
 from disagg_devtools.emulator.sandbox import Sandbox, sandbox
 from disagg_devtools.etcd_process import EtcdProcess
 from disagg_devtools.waiting import wait_for
 from disagg_operator.handlers import OperatorConfig
 from disagg_operator.plan import ClusterAddressing
 from disagg_operator.spec import GROUP, PLURAL, VERSION
+
+from .stand_in_pods import metric_pages
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "default"
@@ -37,6 +40,13 @@ async def etcd(tmp_path: Path) -> AsyncIterator[EtcdProcess]:
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture
+async def pages() -> AsyncIterator[MetricPagesServer]:
+    """Stand-in metric pages for the serving pods of stand_in_pods.PODS."""
+    async with metric_pages() as server:
+        yield server
 
 
 @pytest.fixture

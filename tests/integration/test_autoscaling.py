@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
-import kmock
 import pytest
 from disagg_devtools.emulator.metric_pages import EnginePage, MetricPagesServer, ProxyPage
 from disagg_devtools.emulator.sandbox import Sandbox
@@ -20,13 +18,8 @@ from disagg_operator.handlers import OperatorConfig
 from disagg_operator.spec import PLURAL
 
 from .conftest import NAMESPACE, Api, example, managed_etcd
+from .stand_in_pods import add_pods, metric_overrides
 
-PODS = {  # pod -> (role, IP)
-    "dsv2-lite-prefill-a": ("prefill", "10.0.0.1"),
-    "dsv2-lite-decode-a": ("decode", "10.0.0.2"),
-    "dsv2-lite-decode-b": ("decode", "10.0.0.3"),
-    "dsv2-lite-proxy-a": ("proxy", "10.0.0.4"),
-}
 PROFILE = {
     "prefill": {"baseSeconds": 0.05, "perTokenSeconds": 1e-4},
     "decode": {"baseSeconds": 0.01, "perSequenceSeconds": 1e-4,
@@ -35,37 +28,13 @@ PROFILE = {
 
 
 @pytest.fixture
-async def pages() -> AsyncIterator[MetricPagesServer]:
-    server = MetricPagesServer({name: ProxyPage() if role == "proxy" else EnginePage(
-        num_gpu_blocks=1000, block_size=16) for name, (role, _) in PODS.items()})
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-
-
-@pytest.fixture
 def config(etcd: EtcdProcess, pages: MetricPagesServer) -> OperatorConfig:
     return OperatorConfig(
         default_image="test/serving:1", resync_seconds=0.3, not_ready_resync_seconds=0.3,
         debounce_seconds=0.02, error_backoff_seconds=(0.2,), etcd_health_ttl_seconds=0.1,
         etcd_address_overrides={managed_etcd("dsv2-lite"): etcd.endpoint},
-        metrics_address_overrides={
-            f"{ip}:{8000}": pages.address(name) for name, (_, ip) in PODS.items()},
+        metrics_address_overrides=metric_overrides(pages),
         planner_sample_seconds=0.5)
-
-
-def add_pods(cluster: Sandbox) -> None:
-    """Running pods with IPs, as the kubelet would report them."""
-    for name, (role, ip) in PODS.items():
-        cluster.emulator.objects[kmock.resource("", "v1", "pods"), NAMESPACE, name] = {
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": NAMESPACE, "labels": {
-                "app.kubernetes.io/instance": "dsv2-lite",
-                "app.kubernetes.io/managed-by": "disagg-operator",
-                "app.kubernetes.io/component": role}},
-            "status": {"phase": "Running", "podIP": ip}}
 
 
 def autoscaling(api: Api) -> dict[str, Any]:

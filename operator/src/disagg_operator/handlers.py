@@ -31,6 +31,7 @@ from disagg_operator.leader import ElectionSettings, LeaderElector
 from disagg_operator.metrics_scrape import PodMetricsScraper
 from disagg_operator.reconcile import Reconciler, utcnow
 from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
+from disagg_operator.transfer_health import TransferMonitor
 
 FINALIZER = f"{GROUP}/finalizer"
 registry = kopf.OperatorRegistry()
@@ -52,6 +53,9 @@ class OperatorConfig:
     metrics_address_overrides: Mapping[str, str] = field(default_factory=dict)
     # How often the planner samples the engines between its decisions.
     planner_sample_seconds: float = SAMPLE_SECONDS
+    # The interval over which the Degraded condition judges whether P/D really happens
+    # (disagg_operator.transfer_health); None: not watched.
+    transfer_window_seconds: float | None = 60.0
     operator_namespace: str | None = None  # where its pod runs; None: outside the cluster
     # With several replicas: only the holder of the Lease `lease_name` in `lease_namespace`
     # reconciles; one that loses it sets `lease_lost` and `stop_flag` (kopf's) and exits, to
@@ -130,7 +134,10 @@ async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> N
         autoscaler=Autoscaler(
             PodMetricsScraper(address_overrides=config.metrics_address_overrides),
             time.monotonic, utcnow, sample_seconds=config.planner_sample_seconds,
-            wake=wakeboard.wake))
+            wake=wakeboard.wake),
+        transfer=None if config.transfer_window_seconds is None else TransferMonitor(
+            PodMetricsScraper(address_overrides=config.metrics_address_overrides),
+            config.transfer_window_seconds))
     if config.leader_election is None:
         leading = asyncio.Event()
         leading.set()

@@ -41,8 +41,13 @@ WAITING = "vllm:num_requests_waiting"
 CACHE_CONFIG = "vllm:cache_config_info"
 PROXY_TTFT = "disagg_proxy_time_to_first_token_seconds"
 PROXY_ARRIVED = "disagg_proxy_requests_arrived"
+# Disaggregation silently lost (disagg_operator.transfer_health): requests decode answered
+# alone, and decode's KV loads, whole or failed.
+PROXY_DECODE_ALONE = "disagg_proxy_decode_alone"
+KV_LOADS = "vllm:kvhelper_requests_loaded"
+KV_LOADS_FAILED = "vllm:kvhelper_requests_load_failed"
 
-COUNTERS = (PROMPT_TOKENS, PROXY_ARRIVED)
+COUNTERS = (PROMPT_TOKENS, PROXY_ARRIVED, PROXY_DECODE_ALONE, KV_LOADS, KV_LOADS_FAILED)
 GAUGES = (WAITING,)
 HISTOGRAMS = (PREFILL_COMPUTED, REQUEST_PROMPT, REQUEST_OUTPUT, INTER_TOKEN, PROXY_TTFT)
 
@@ -142,7 +147,9 @@ def _delta_histogram(before: Scrape, after: Scrape, role: str, name: str) -> His
     return total
 
 
-def _delta_counter(before: Scrape, after: Scrape, role: str, name: str) -> float:
+def delta_counter(before: Scrape, after: Scrape, role: str, name: str) -> float:
+    """A counter's growth between two scrapes, summed over the role's pods (a pod that
+    restarted counts from zero)."""
     total = 0.0
     for pod_name, pod in after.pods.items():
         if pod.role != role or name not in pod.values:
@@ -186,7 +193,7 @@ def load_between(before: Scrape, after: Scrape, kv_samples: Sequence[KvSample] =
     decode's KV sampled in between."""
     seconds = max(after.at - before.at, 1e-9)
     computed = _delta_histogram(before, after, "prefill", PREFILL_COMPUTED)
-    sent = _delta_counter(before, after, "prefill", PROMPT_TOKENS)
+    sent = delta_counter(before, after, "prefill", PROMPT_TOKENS)
     prompts = _delta_histogram(before, after, "decode", REQUEST_PROMPT)
     outputs = _delta_histogram(before, after, "decode", REQUEST_OUTPUT)
     prefilled = computed.count
@@ -198,7 +205,7 @@ def load_between(before: Scrape, after: Scrape, kv_samples: Sequence[KvSample] =
                       for sample in [*kv_samples, kv_sample(after)]])
     counts_arrivals = any(PROXY_ARRIVED in pod.values for pod in after.pods.values()
                           if pod.role == "proxy")
-    requests = (_delta_counter(before, after, "proxy", PROXY_ARRIVED) if counts_arrivals
+    requests = (delta_counter(before, after, "proxy", PROXY_ARRIVED) if counts_arrivals
                 else prompts.count)
     return Load(
         requests_per_s=requests / seconds,

@@ -34,6 +34,7 @@ from disagg_operator.status import (
     invalid_spec_status,
     transition_events,
 )
+from disagg_operator.transfer_health import TransferMonitor
 
 ANNOTATION_APPLIED_HASH = "serving.disagg.dev/applied-hash"
 
@@ -136,8 +137,10 @@ class Reconciler:
                  clock: Callable[[], str] = utcnow, resync_seconds: float = 60.0,
                  not_ready_resync_seconds: float = 10.0,
                  autoscaler: Autoscaler | None = None,
-                 operator_namespace: str | None = None) -> None:
+                 operator_namespace: str | None = None,
+                 transfer: TransferMonitor | None = None) -> None:
         self.api = api
+        self.transfer = transfer  # None: P/D health is not watched (no scrapes)
         self.operator_namespace = operator_namespace
         if autoscaler is None:
             from disagg_operator.metrics_scrape import PodMetricsScraper
@@ -157,6 +160,8 @@ class Reconciler:
         """The object is gone (or no longer this process's to reconcile)."""
         self._written.pop(uid, None)
         self.autoscaler.forget(uid)
+        if self.transfer is not None:
+            self.transfer.forget(uid)
 
     async def reconcile(self, body: Mapping[str, Any]) -> ReconcileResult:
         meta = body["metadata"]
@@ -257,6 +262,8 @@ class Reconciler:
             apply_error, error_reason = str(err), "Conflict"
 
         health = await self.etcd.check(plan.etcd_endpoints, plan.etcd_health_via)
+        transfer = (await self.transfer.check(owner.uid, spec, pods)
+                    if self.transfer is not None else None)
         observation = Observation(
             generation=generation, desired=desired, observed=observed,
             etcd_mode="Managed" if plan.etcd_managed else "External",
@@ -264,7 +271,7 @@ class Reconciler:
             endpoint=self._endpoint(owner, plan), apply_error=apply_error,
             apply_error_reason=error_reason, pods=pods,
             roles={child_name(owner.name, c.role): c.role for c in plan.components},
-            autoscaling=scaling.status if scaling else None)
+            autoscaling=scaling.status if scaling else None, transfer=transfer)
         result.status = compute_status(observation, previous, self.clock())
         result.error = apply_error
         return await self._finish(owner, seen, previous, result)

@@ -14,6 +14,7 @@ from disagg_operator.association import LABEL_COMPONENT, LABEL_INSTANCE
 from disagg_operator.etcd_health import EtcdHealth
 from disagg_operator.plan import ANNOTATION_COMPAT, Role
 from disagg_operator.render import LWS_WORKER_INDEX_LABEL, Manifest
+from disagg_operator.transfer_health import TransferHealth
 
 READY = "Ready"
 PROGRESSING = "Progressing"
@@ -68,6 +69,8 @@ class Observation:
     # status.autoscaling as the autoscaler decided it (None: autoscaling is off); the
     # instance counts are filled in here from the workloads.
     autoscaling: Mapping[str, Any] | None = None
+    # Whether P/D really happens (disagg_operator.transfer_health); None: not known.
+    transfer: TransferHealth | None = None
 
 
 # How much of a crashed container's termination message (its log's end) a condition quotes.
@@ -231,6 +234,8 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
         degraded = ("True", "EtcdUnhealthy", _etcd_message(obs))
     elif short:
         degraded = ("True", "ReducedCapacity", "; ".join(w.counts for w in short))
+    elif obs.transfer is not None and not obs.transfer.healthy:
+        degraded = ("True", obs.transfer.reason, obs.transfer.message)
     else:
         degraded = ("False", "AsExpected", "no component reports a failure")
 

@@ -42,6 +42,10 @@ class EnginePage:
                               registry=r).labels(*self._labels)
         self.waiting = Gauge("vllm:num_requests_waiting", "Waiting.", labels,
                              registry=r).labels(*self._labels)
+        self.loads = Counter("vllm:kvhelper_requests_loaded", "KV loaded in full.", labels,
+                             registry=r).labels(*self._labels)
+        self.loads_failed = Counter("vllm:kvhelper_requests_load_failed", "KV loads failed.",
+                                    labels, registry=r).labels(*self._labels)
         Gauge("vllm:cache_config_info", "Cache config.",
               ["block_size", "num_gpu_blocks", "engine"], registry=r).labels(
             str(block_size), str(num_gpu_blocks), "0").set(1)
@@ -66,6 +70,9 @@ class ProxyPage:
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.arrived = Counter("disagg_proxy_requests_arrived", "Requests received.",
                                registry=self.registry)
+        self.decode_alone = Counter("disagg_proxy_decode_alone", "Answered by decode alone.",
+                                    ["reason"], registry=self.registry).labels(
+            "no_compatible_prefill")
 
     def page(self) -> bytes:
         return generate_latest(self.registry)
