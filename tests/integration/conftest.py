@@ -49,14 +49,20 @@ async def pages() -> AsyncIterator[MetricPagesServer]:
         yield server
 
 
-@pytest.fixture
-def config(etcd: EtcdProcess) -> OperatorConfig:
+def fast_config(etcd: EtcdProcess, **settings: Any) -> OperatorConfig:
     """Fast timers; the managed etcd Services of the examples resolve to the real etcd."""
     names = ("dsv2-lite", "llama", "shared-etcd")
-    return OperatorConfig(
-        default_image="test/serving:1", resync_seconds=0.3, not_ready_resync_seconds=0.3,
-        debounce_seconds=0.02, error_backoff_seconds=(0.2,), etcd_health_ttl_seconds=0.1,
-        etcd_address_overrides={managed_etcd(n): etcd.endpoint for n in names})
+    return OperatorConfig(**{
+        "default_image": "test/serving:1", "resync_seconds": 0.3,
+        "not_ready_resync_seconds": 0.3, "debounce_seconds": 0.02,
+        "error_backoff_seconds": (0.2,), "etcd_health_ttl_seconds": 0.1,
+        "etcd_address_overrides": {managed_etcd(n): etcd.endpoint for n in names},
+        **settings})
+
+
+@pytest.fixture
+def config(etcd: EtcdProcess) -> OperatorConfig:
+    return fast_config(etcd)
 
 
 @pytest.fixture

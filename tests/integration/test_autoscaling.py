@@ -17,7 +17,7 @@ from disagg_operator import autoscaler as autoscaler_module
 from disagg_operator.handlers import OperatorConfig
 from disagg_operator.spec import PLURAL
 
-from .conftest import NAMESPACE, Api, example, managed_etcd
+from .conftest import NAMESPACE, Api, example, fast_config
 from .stand_in_pods import add_pods, metric_overrides
 
 PROFILE = {
@@ -29,12 +29,8 @@ PROFILE = {
 
 @pytest.fixture
 def config(etcd: EtcdProcess, pages: MetricPagesServer) -> OperatorConfig:
-    return OperatorConfig(
-        default_image="test/serving:1", resync_seconds=0.3, not_ready_resync_seconds=0.3,
-        debounce_seconds=0.02, error_backoff_seconds=(0.2,), etcd_health_ttl_seconds=0.1,
-        etcd_address_overrides={managed_etcd("dsv2-lite"): etcd.endpoint},
-        metrics_address_overrides=metric_overrides(pages),
-        planner_sample_seconds=0.5)
+    return fast_config(etcd, metrics_address_overrides=metric_overrides(pages),
+                       planner_sample_seconds=0.5)
 
 
 def autoscaling(api: Api) -> dict[str, Any]:

@@ -11,17 +11,14 @@ from disagg_devtools.emulator.sandbox import Sandbox
 from disagg_devtools.etcd_process import EtcdProcess
 from disagg_operator.handlers import OperatorConfig
 
-from .conftest import Api, example, managed_etcd
+from .conftest import Api, example, fast_config
 from .stand_in_pods import add_pods, metric_overrides
 
 
 @pytest.fixture
 def config(etcd: EtcdProcess, pages: MetricPagesServer) -> OperatorConfig:
-    return OperatorConfig(
-        default_image="test/serving:1", resync_seconds=0.3, not_ready_resync_seconds=0.3,
-        debounce_seconds=0.02, error_backoff_seconds=(0.2,), etcd_health_ttl_seconds=0.1,
-        etcd_address_overrides={managed_etcd("dsv2-lite"): etcd.endpoint},
-        metrics_address_overrides=metric_overrides(pages), transfer_window_seconds=0.5)
+    return fast_config(etcd, metrics_address_overrides=metric_overrides(pages),
+                       transfer_window_seconds=0.5)
 
 
 def traffic(pages: MetricPagesServer, requests: int, alone: int = 0, failed: int = 0) -> None:
