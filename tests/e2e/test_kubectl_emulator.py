@@ -231,3 +231,32 @@ async def test_a_merge_patch_of_the_status_merges(cluster) -> None:
         assert done.returncode == 0, done.stderr
     got = await kubectl(env, "get", "disaggserving", "dsv2-lite", "-o", "jsonpath={.status}")
     assert '"observedGeneration":1' in got.stdout and "endpoint" not in got.stdout, got.stdout
+
+
+async def test_unknown_fields_are_refused_under_strict_validation_and_pruned_otherwise(
+        cluster, tmp_path) -> None:
+    """kubectl asks for fieldValidation=Strict: a misspelt field fails, naming it, as on a real
+    API server; without it the field is pruned, never stored."""
+    _, env = cluster
+    text = (ROOT / "examples/deepseek-v2-lite-1p2d.yaml").read_text()
+    path = tmp_path / "typo.yaml"
+    path.write_text(text.replace("  decode:\n", "  decode:\n    replica: 3\n", 1))
+    refused = await kubectl(env, "apply", "-f", str(path))
+    assert refused.returncode != 0, refused.stdout
+    assert 'unknown field "spec.decode.replica"' in refused.stderr, refused.stderr
+    allowed = await kubectl(env, "apply", "--validate=false", "-f", str(path))
+    assert allowed.returncode == 0, allowed.stderr
+    got = await kubectl(env, "get", "disaggserving", "dsv2-lite", "-o", "jsonpath={.spec.decode}")
+    assert "replica\"" not in got.stdout and '"replicas":2' in got.stdout, got.stdout
+
+
+async def test_deleting_a_namespace_deletes_what_is_in_it(cluster, tmp_path) -> None:
+    _, env = cluster
+    assert (await kubectl(env, "create", "namespace", "team-a")).returncode == 0
+    made = await kubectl(env, "-n", "team-a", "create", "configmap", "settings",
+                         "--from-literal=a=b")
+    assert made.returncode == 0, made.stderr
+    gone = await kubectl(env, "delete", "namespace", "team-a")
+    assert gone.returncode == 0, gone.stderr
+    left = await kubectl(env, "-n", "team-a", "get", "configmaps", "-o", "name")
+    assert "settings" not in left.stdout, left.stdout

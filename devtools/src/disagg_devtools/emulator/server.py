@@ -30,7 +30,7 @@ import kmock
 from jsonpath_ng.ext import parse as jsonpath_parse  # type: ignore[attr-defined]
 from typing_extensions import override
 
-from disagg_devtools.emulator import field_managers
+from disagg_devtools.emulator import field_managers, protobuf_bodies
 from disagg_devtools.emulator.kmock_adapter import KmockEmulator, raw_request
 
 APPLY_CONTENT_TYPE = "application/apply-patch+yaml"
@@ -230,6 +230,38 @@ def apply_schema_defaults(schema: dict[str, Any], value: Any) -> Any:
     return value
 
 
+def unknown_fields(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
+    """Fields of `value` its structural schema does not declare (the API server prunes them,
+    or refuses them under fieldValidation=Strict), as dotted paths."""
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return []
+    found: list[str] = []
+    if isinstance(value, dict) and "properties" in schema:
+        for name, sub in value.items():
+            where = f"{path}.{name}" if path else name
+            if name not in schema["properties"]:
+                if not schema.get("additionalProperties"):
+                    found.append(where)
+            else:
+                found += unknown_fields(schema["properties"][name], sub, where)
+    elif isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):
+        for name, sub in value.items():
+            found += unknown_fields(schema["additionalProperties"], sub,
+                                    f"{path}.{name}" if path else name)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            found += unknown_fields(schema["items"], item, f"{path}[{index}]")
+    return found
+
+
+def _prune(value: Any, path: str) -> None:
+    """Remove the field at a dotted path (as unknown_fields names it)."""
+    parts = re.findall(r"[^.\[\]]+|\[\d+\]", path)
+    for part in parts[:-1]:
+        value = value[int(part[1:-1])] if part.startswith("[") else value[part]
+    value.pop(parts[-1], None)
+
+
 def plain_schema(schema: Any) -> Any:
     """The schema without Kubernetes extensions that JSON Schema would misread."""
     if isinstance(schema, dict):
@@ -341,6 +373,16 @@ class ClusterEmulator(KmockEmulator):
     async def _route(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None:
             return await self.serve_default(request)
+        if "protobuf" in request.headers.get("Content-Type", ""):
+            try:
+                _rewrite(request, data=protobuf_bodies.decode(request.body or b""))
+            except protobuf_bodies.Undecodable as err:
+                raise kmock.KubernetesError(
+                    status=415, reason="UnsupportedMediaType",
+                    message=f"the body of the request was in an unknown format ({err}) - "
+                            "accepted media types include: application/json, "
+                            "application/yaml, application/apply-patch+yaml, "
+                            "application/merge-patch+json") from None
         if request.method == kmock.method.PUT and request.name and request.action is None:
             _rewrite(request, action=kmock.action.UPDATE)  # a replace; kmock names none
         if request.subresource == "scale" and (request.resource.plural in WORKLOAD_PLURALS
@@ -461,7 +503,7 @@ class ClusterEmulator(KmockEmulator):
                       current: dict[str, Any], after: dict[str, Any]) -> kmock.Request:
         """Validate `after` as the API server would and make the request write exactly it."""
         self._check_immutable(res, current, after)
-        after = self._admit(res, after)
+        after = self._admit(res, after, request)
         after["metadata"]["resourceVersion"] = str(next(self._versions))
         if after.get("spec") != current.get("spec"):
             after["metadata"]["generation"] = int(current["metadata"].get("generation", 1)) + 1
@@ -546,18 +588,30 @@ class ClusterEmulator(KmockEmulator):
                     resourceVersion=str(next(self._versions)))
         if self._has_status_subresource(request.resource):
             body.pop("status", None)
-        body = self._admit(request.resource, body)
+        body = self._admit(request.resource, body, request)
         return _rewrite(request, data=body, action=kmock.action.CREATE)
 
-    def _admit(self, res: kmock.resource, obj: dict[str, Any]) -> dict[str, Any]:
-        """Default and validate a custom resource against its CRD schema, as the API server does.
+    def _admit(self, res: kmock.resource, obj: dict[str, Any],
+                request: kmock.Request | None = None) -> dict[str, Any]:
+        """Default and validate a custom resource against its CRD schema, as the API server does:
+        fields the schema does not declare are pruned, or refused where the request asks for
+        fieldValidation=Strict (kubectl's default).
 
         CEL rules (x-kubernetes-validations) are not evaluated here; the operator re-checks them.
         """
         schema = self.schemas.get(res)
         if schema is None:
             return obj
-        defaulted = apply_schema_defaults(schema, obj)
+        defaulted = copy.deepcopy(apply_schema_defaults(schema, obj))
+        unknown = unknown_fields(schema, {k: v for k, v in defaulted.items()
+                                          if k not in ("apiVersion", "kind", "metadata")})
+        strict = request is not None and request.params.get("fieldValidation") == "Strict"
+        if unknown and strict:
+            raise kmock.KubernetesError(
+                status=400, reason="BadRequest", message="strict decoding error: " + ", ".join(
+                    f'unknown field "{where}"' for where in unknown))
+        for where in unknown:
+            _prune(defaulted, where)
         errors = sorted(jsonschema.Draft4Validator(plain_schema(schema)).iter_errors(
             {k: v for k, v in defaulted.items() if k != "metadata"}), key=str)
         if errors:
@@ -634,6 +688,20 @@ class ClusterEmulator(KmockEmulator):
                 and (refs := obj.raw.get("metadata", {}).get("ownerReferences"))
                 and all(ref.get("uid") not in alive for ref in refs)
             ]
+            # A deleted namespace takes everything in it (the namespace controller).
+            gone = self._deleted_namespaces()
+            in_gone = [key for key, obj in self.objects.items() if not obj.deleted
+                       and key[1] is not None and key[1] in gone and key not in orphans]
+            finalizing = [key for key in in_gone
+                          if self.objects[key].raw.get("metadata", {}).get("finalizers")]
+            orphans += [key for key in in_gone if key not in finalizing]
+            async with self.write_lock:
+                for key in finalizing:  # their controllers remove the finalizers first
+                    meta = self.objects[key].raw.get("metadata", {})
+                    if not meta.get("deletionTimestamp"):
+                        self.objects[key].patch({"metadata": {"deletionTimestamp": _now()}})
+                        await self.emit_watch_event(key[0], {
+                            "type": "MODIFIED", "object": self.objects[key].raw})
             if not orphans:
                 return
             async with self.write_lock:
@@ -641,6 +709,15 @@ class ClusterEmulator(KmockEmulator):
                     raw = self.objects[key].raw
                     self.objects[key].delete()
                     await self.emit_watch_event(key[0], {"type": "DELETED", "object": raw})
+
+    def _deleted_namespaces(self) -> set[str]:
+        """Namespaces whose Namespace object was deleted, with no new one of the name."""
+        gone: set[str] = set()
+        live: set[str] = set()
+        for (res, _, name), obj in self.objects.items():
+            if res == NAMESPACES:
+                (gone if obj.deleted else live).add(name)
+        return gone - live
 
     # -- reading ----------------------------------------------------------------------------
 
