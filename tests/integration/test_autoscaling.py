@@ -33,18 +33,23 @@ def config(etcd: EtcdProcess, pages: MetricPagesServer) -> OperatorConfig:
                        planner_sample_seconds=0.5)
 
 
-def autoscaling(api: Api) -> dict[str, Any]:
-    return ((api.dsv("dsv2-lite") or {}).get("status") or {}).get("autoscaling") or {}
-
-
-async def test_the_planner_scales_decode_on_kv_demand_and_patches_only_decode(
-        cluster: Sandbox, api: Api, pages: MetricPagesServer) -> None:
+async def create_planned(cluster: Sandbox, api: Api) -> None:
+    """The seed DisaggServing in Planner mode, with its serving pods running."""
     body = copy.deepcopy(example("deepseek-v2-lite-1p2d.yaml"))
     body["spec"]["autoscaling"] = {
         "mode": "Planner", "ttftP90Seconds": 2.0, "itlP90Seconds": 0.05,
         "intervalSeconds": 10, "profile": PROFILE, "decode": {"maxReplicas": 8}}
     add_pods(cluster)
     await api.create(body)
+
+
+def autoscaling(api: Api) -> dict[str, Any]:
+    return ((api.dsv("dsv2-lite") or {}).get("status") or {}).get("autoscaling") or {}
+
+
+async def test_the_planner_scales_decode_on_kv_demand_and_patches_only_decode(
+        cluster: Sandbox, api: Api, pages: MetricPagesServer) -> None:
+    await create_planned(cluster, api)
     await api.wait(lambda: "before deciding" in autoscaling(api).get("reason", ""),
                    "the first scrape")
     await api.wait(lambda: autoscaling(api).get("decode") == {"desired": 2, "current": 2},
@@ -186,12 +191,7 @@ async def test_kubectl_scale_in_planner_mode_is_explained(cluster: Sandbox, api:
     """`kubectl scale dsv --replicas 5` in Planner mode printed "scaled" and did nothing. The
     planner still decides the count; the status says the spec's count is not followed and what
     to do instead, and a Warning Event says it once."""
-    body = copy.deepcopy(example("deepseek-v2-lite-1p2d.yaml"))
-    body["spec"]["autoscaling"] = {
-        "mode": "Planner", "ttftP90Seconds": 2.0, "itlP90Seconds": 0.05,
-        "intervalSeconds": 10, "profile": PROFILE, "decode": {"maxReplicas": 8}}
-    add_pods(cluster)
-    await api.create(body)
+    await create_planned(cluster, api)
     await api.wait(lambda: autoscaling(api).get("decode") == {"desired": 2, "current": 2},
                    "the spec's 2 decode instances, ready")
     assert "specIgnored" not in autoscaling(api)

@@ -110,7 +110,7 @@ def test_down_stops_the_store_and_etcd_after_their_clients(tmp_path: Path) -> No
         deployment._start(LocalProcess(name, "store", (sys.executable, "-c",
                                                          server.format(str(pid_file)))), {},
                           state)
-    seen = tmp_path / "seen"
+    seen, ready = tmp_path / "seen", tmp_path / "ready"
     client = ("import os, signal, sys, time\n"
               "def running(pid):\n"  # a zombie has ended
               "    try:\n"
@@ -125,11 +125,13 @@ def test_down_stops_the_store_and_etcd_after_their_clients(tmp_path: Path) -> No
               f"    open({str(seen)!r}, 'w').write(repr(found))\n"
               "    sys.exit(0)\n"
               "signal.signal(signal.SIGTERM, stop)\n"
+              f"open({str(ready)!r}, 'w').write('ready')\n"
               "time.sleep(120)\n")
     deployment._start(LocalProcess("tiny-proxy", "proxy", (sys.executable, "-c", client)), {},
                       state)
     deadline = time.monotonic() + 10
-    while not all(p.exists() and p.read_text() for p in pids.values()):
+    # Its SIGTERM handler in place (a loaded machine starts Python slowly), and the servers up.
+    while not (ready.exists() and all(p.exists() and p.read_text() for p in pids.values())):
         assert time.monotonic() < deadline, "the servers did not start"
         time.sleep(0.05)
     stop_recorded(folder, lambda _: None, grace=5.0)
