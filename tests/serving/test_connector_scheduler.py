@@ -54,6 +54,16 @@ def decode_params(stored_tokens: int) -> dict[str, Any]:
             PREFIX_HASH_KEY: (bytes([stored_tokens // BLOCK - 1]) * 8).hex()}
 
 
+def test_where_loaded_context_would_change_answers_nothing_is_loaded() -> None:
+    """The guard (kvhelper.vllm_cpu_rope): on an MLA engine whose rotary kernel is left
+    unfixed, decode computes every prompt itself."""
+    consumer = SchedulerSide(BLOCK, False, True, IDENTITY, load_async=True,
+                             stats=TransferStats(), loads_exact=False)
+    req = request("r", 10 * BLOCK + 3, decode_params(10 * BLOCK))
+    assert consumer.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert side(consumer=True).get_num_new_matched_tokens(req, 0) == (10 * BLOCK, True)
+
+
 @pytest.mark.parametrize("local_blocks", [0, 2, 9, 10])
 def test_loads_start_after_the_local_prefix_hit(local_blocks: int) -> None:
     consumer = side(consumer=True)
