@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from disagg_operator.render import Manifest
+
 FIELD_MANAGER = "disagg-operator"
 HANDOVER_MANAGER = "disagg-operator-handover"
 SCALED_KINDS = ("Deployment", "LeaderWorkerSet")
-
-Manifest = dict[str, Any]
 
 
 def owns(obj: Mapping[str, Any], manager: str, path: tuple[str, ...]) -> bool:
