@@ -7,6 +7,9 @@
 
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
+# The Mooncake build that fits the base: CUDA here; `make images` builds on a CPU vLLM base
+# and passes docker/serving-requirements-cpu.txt (docker/build-images.sh).
+ARG SERVING_REQUIREMENTS=docker/serving-requirements.txt
 
 # ---- operator: build a virtual environment, then copy only it into a clean base -------------
 FROM ${PYTHON_IMAGE} AS operator-build
@@ -28,13 +31,14 @@ CMD ["run"]
 
 # ---- serving: vLLM + kvhelper (connector, proxy, registry) + Mooncake ----------------------
 FROM ${VLLM_IMAGE} AS serving
+ARG SERVING_REQUIREMENTS
 # libibverbs1: the Mooncake transfer engine links it even for TCP transport. The base image's
 # Ubuntu release decides the exact version, so it is not pinned here.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libibverbs1 \
     && rm -rf /var/lib/apt/lists/*
-COPY docker/serving-requirements.txt /tmp/serving-requirements.txt
+COPY ${SERVING_REQUIREMENTS} /tmp/serving-requirements.txt
 COPY kvhelper/ /tmp/kvhelper/
 RUN pip install --no-cache-dir -r /tmp/serving-requirements.txt /tmp/kvhelper \
     && rm -rf /tmp/kvhelper /tmp/serving-requirements.txt \

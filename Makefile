@@ -11,7 +11,7 @@ PYTHON_TOOLS ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python
 TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 
-.PHONY: run demo-operator envs test lint clean
+.PHONY: run demo-operator envs test lint clean images
 
 # As root, servers started here live in a private network namespace (loopback only).
 ISOLATE := $(if $(filter 0,$(shell id -u)),unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"',)
@@ -72,6 +72,11 @@ lint: $(STAMP) $(SERVING_STAMP)
 	@# kvhelper is read as source here (its runtime needs vLLM): import-linter only parses it.
 	PYTHONPATH=kvhelper/src $(VENV)/bin/lint-imports
 	$(SERVING_VENV)/bin/mypy kvhelper/src
+
+# Both Dockerfile targets built with podman on bases made from the package registries alone
+# (installs podman as root where it is missing); see docker/build-images.sh.
+images:
+	bash docker/build-images.sh
 
 clean:
 	rm -rf $(VENV) $(SERVING_VENV) $(TOOLS_VENV)

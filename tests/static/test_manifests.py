@@ -170,8 +170,10 @@ def test_yamllint(tools: Path) -> None:
     assert result.returncode == 0, result.stdout
 
 
-def test_hadolint(tools: Path) -> None:
-    result = run(tools / "hadolint", ROOT / "Dockerfile")
+@pytest.mark.parametrize("dockerfile", [
+    "Dockerfile", "docker/bases/vllm-cpu.Dockerfile", "docker/bases/etcd.Dockerfile"])
+def test_hadolint(tools: Path, dockerfile: str) -> None:
+    result = run(tools / "hadolint", ROOT / dockerfile)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
