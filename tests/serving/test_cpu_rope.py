@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from disagg_devtools.exactness import TOLERANCE, compare
 
 from .engines import run_engine
-from .exactness import TOLERANCE, compare
 
 
 def test_mla_shaped_queries_and_keys_rotate_as_vllms_pytorch_formula() -> None:

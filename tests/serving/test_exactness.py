@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from disagg_devtools.exactness import TOLERANCE, Conversations, Gap, compare, noise, summary
 from disagg_devtools.local.metrics import metric_total
 from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
 from disagg_devtools.processes import free_port
@@ -36,7 +37,6 @@ from kvhelper.transfer_params import KEY_SPACE_KEY, PREFIX_HASH_KEY
 
 from .conftest import in_private_network
 from .engines import corrupt_values, run_engine
-from .exactness import TOLERANCE, Conversations, Gap, compare, noise, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 8

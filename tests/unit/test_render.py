@@ -380,3 +380,48 @@ def test_etcd_tls_mounts_each_secret_only_where_it_is_used() -> None:
 def test_etcd_tls_refuses_what_cannot_use_it(change: dict[str, object], field: str) -> None:
     with pytest.raises(InvalidSpecError, match=f"^spec.{field}: "):
         parse_spec({"model": {"name": "m"}, **change})
+
+
+def _all_pod_specs(objs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objs
+            if o["kind"] in ("Deployment", "StatefulSet")}
+    for obj in objs:
+        if obj["kind"] == "LeaderWorkerSet":
+            group = obj["spec"]["leaderWorkerTemplate"]
+            for part in ("leaderTemplate", "workerTemplate"):
+                pods[f"{obj['metadata']['name']}/{part}"] = group[part]["spec"]
+    return pods
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.stem)
+def test_every_read_only_root_has_a_writable_tmp(example: Path) -> None:
+    """Python's tempfile, torch, Hugging Face and glog write under /tmp; a read-only root
+    without a volume there stops the proxy at import (found running the pods in podman)."""
+    for name, pod in _all_pod_specs(_render(example)).items():
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for container in pod["containers"]:
+            if not container["securityContext"]["readOnlyRootFilesystem"]:
+                continue
+            tmp = [m for m in container.get("volumeMounts", []) if m["mountPath"] == "/tmp"]
+            assert tmp, f"{name}/{container['name']}: read-only root and no /tmp volume"
+            assert "emptyDir" in volumes[tmp[0]["name"]] and not tmp[0].get("readOnly")
+
+
+def test_a_model_on_a_claim_reaches_the_proxys_tokenizer_read_only() -> None:
+    """model.name may be a path on the model claim; the proxy tokenizes with it (store-aware
+    routing), so it mounts the claim too, read-only, at the same path."""
+    doc = yaml.safe_load((ROOT / "examples/tiny-mla-1p2d.yaml").read_text())
+    doc["spec"]["model"].update(name="/models/tiny-mla",
+                                cache={"pvcClaimName": "models", "mountPath": "/models"})
+    pods = _pods(doc["spec"])
+    proxy = pods["x-proxy"]["spec"]
+    args = proxy["containers"][0]["args"]
+    assert args[args.index("--tokenizer") + 1] == "/models/tiny-mla"
+    mount = next(m for m in proxy["containers"][0]["volumeMounts"]
+                 if m["mountPath"] == "/models")
+    volume = next(v for v in proxy["volumes"] if v["name"] == mount["name"])
+    assert mount["readOnly"] is True
+    assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    decode = pods["x-decode"]["spec"]
+    assert any(v.get("persistentVolumeClaim", {}).get("claimName") == "models"
+               for v in decode["volumes"])

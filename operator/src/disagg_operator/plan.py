@@ -161,6 +161,9 @@ class Component:
     service_type: str = "ClusterIP"  # of its Service (the proxy's is the spec's)
     add_capabilities: tuple[str, ...] = ()  # IPC_LOCK for RDMA
     model_cache: ModelCache | None = None  # vLLM roles
+    # The model's claim mounted read-only (the proxy's tokenizer, when model.name is a path on
+    # it); None where the model cache is a per-pod emptyDir.
+    model_claim: ModelCache | None = None
     storage_size: str | int | None = None  # etcd's data volume claim; None: an emptyDir
     annotations: tuple[tuple[str, str], ...] = ()  # on its pods
     stop_grace_seconds: int | None = None  # from SIGTERM (or pre_stop) to SIGKILL
@@ -551,8 +554,11 @@ def _proxy_component(spec: DisaggServingSpec, etcd_endpoints: tuple[str, ...],
         health_path="/health",
         secret_mounts=etcd_client_mounts(spec),
     )
+    cache = spec.model.cache
     return Component(role=Role.PROXY, replicas=spec.proxy.replicas, main=main,
                      reads_config=routes_on_store,
+                     model_claim=(ModelCache(cache.mount_path, cache.pvc_claim_name, None)
+                                  if routes_on_store and cache.pvc_claim_name else None),
                      cache_dir=PROXY_CACHE_DIR if routes_on_store else None,
                      resources=spec.proxy.resources, service_type=spec.proxy.service.type)
 

@@ -215,6 +215,16 @@ def _container(process: plans.Process, image: str, pull_policy: str,
     return container
 
 
+def _writable_tmp(containers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A /tmp volume for each container with a read-only root: Python's tempfile, torch,
+    Hugging Face and glog write there, and a cluster adds nothing writable by itself."""
+    read_only = [c for c in containers if c["securityContext"]["readOnlyRootFilesystem"]]
+    for container in read_only:
+        container["volumeMounts"] = [*container.get("volumeMounts", []),
+                                     {"name": "tmp", "mountPath": "/tmp"}]
+    return [{"name": "tmp", "emptyDir": {"sizeLimit": "256Mi"}}] if read_only else []
+
+
 def _secret_volumes(processes: list[plans.Process]) -> list[dict[str, Any]]:
     """The pod volumes of its containers' Secret mounts, each once; group-readable (the
     pod's fsGroup), never world-readable."""
@@ -271,6 +281,11 @@ def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
         volumes.append({"name": "config",
                         "configMap": {"name": child_name(owner.name, CONFIG)}})
         annotations[ANNOTATION_CONFIG_HASH] = config_hash(plan.config_files)
+    if component.model_claim is not None:
+        mounts.append({"name": "model-cache", "mountPath": component.model_claim.mount_path,
+                       "readOnly": True})
+        volumes.append({"name": "model-cache", "persistentVolumeClaim": {
+            "claimName": component.model_claim.pvc_claim_name, "readOnly": True}})
     if component.cache_dir:
         mounts.append({"name": "cache", "mountPath": component.cache_dir})
         volumes.append({"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}})
@@ -289,6 +304,7 @@ def _pod_template(owner: Owner, plan: plans.Plan, component: plans.Component,
         side["resources"] = {"requests": {"cpu": "10m", "memory": "64Mi"},
                              "limits": {"memory": "128Mi"}}
         containers.append(side)
+    volumes += _writable_tmp(containers)
     annotations.update(component.annotations)
 
     pod_spec: dict[str, Any] = {
@@ -401,6 +417,7 @@ def _render_etcd(owner: Owner, plan: plans.Plan,
         }]
     else:
         pod_spec["volumes"] = [{"name": "data", "emptyDir": {}}]
+    pod_spec["volumes"] = [*pod_spec.get("volumes", []), *_writable_tmp([main])]
     if secrets := _secret_volumes([component.main]):
         pod_spec["volumes"] = [*pod_spec.get("volumes", []), *secrets]
     statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet",
