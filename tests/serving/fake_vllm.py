@@ -23,6 +23,7 @@ class FakeVLLM:
     fail_status: int | None = None  # answer every completion with this error status
     die_after_tokens: int | None = None  # drop the connection mid-stream
     healthy: bool = True
+    health_delay: float = 0.0  # a busy server: its health check answers this late
     frozen: bool = False  # accept connections but never answer, as a stopped process
     # Close a kept-alive connection as the next request arrives on it, unanswered: the race a
     # server's keep-alive timeout has with a client that picks the idle connection just then.
@@ -73,6 +74,7 @@ class FakeVLLM:
         if self._drop_if_reused(request):
             return web.Response()
         await self._hang_while_frozen()
+        await asyncio.sleep(self.health_delay)
         return web.Response(status=200 if self.healthy else 503)
 
     async def _hang_while_frozen(self) -> None:
@@ -111,6 +113,7 @@ class FakeVLLM:
                     "remote_block_ids": [1, 2, 3], "remote_host": "h", "remote_port": 1}})
         loaded = "loaded" if params.get("do_remote_prefill") else "recomputed"
         if not body.get("stream"):
+            await asyncio.sleep(self.tokens * self.token_delay)  # the whole answer at once
             if self.die_after_tokens is not None:
                 assert request.transport is not None
                 request.transport.close()

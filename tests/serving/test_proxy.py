@@ -357,6 +357,26 @@ async def test_an_ejected_decode_gives_up_its_waiting_requests(backends, start_p
     assert len(frozen.requests) == 1
 
 
+async def test_the_last_decode_too_busy_for_its_health_check_keeps_its_requests(
+        backends, start_proxy):
+    """Found running the pods as containers: with one decode killed, the other, busy on two
+    cores, answered its health checks late; ejecting it gave up every request it was serving
+    (504) with nowhere else to send them. A late answer from the last healthy instance of a
+    role does not eject it; an answer that says unhealthy, or a refused connection, does."""
+    prefill = await backends("p0")
+    busy = await backends("d0", tokens=3, token_delay=0.4, health_delay=0.3)
+    dead = await backends("d1", healthy=False)
+    proxy = await start_proxy([prefill.url], [busy.url, dead.url], health_interval=0.15,
+                              health_timeout=0.1, eject_after=1)
+    statuses = await asyncio.gather(*(post(f"{proxy}/v1/completions", {"prompt": "x"})
+                                      for _ in range(3)))
+    assert [s[0] for s in statuses] == [200, 200, 200], statuses
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy}/instances") as got:
+        healthy = {i["url"]: i["healthy"] for i in await got.json()}
+    assert healthy == {prefill.url: True, busy.url: True, dead.url: False}
+    assert len(busy.requests) == 3
+
+
 async def test_no_prefill_is_spent_on_a_request_no_decode_can_take(backends, start_proxy):
     prefill = await backends("p0")
     unhealthy = await backends("d0", healthy=False)

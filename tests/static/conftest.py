@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 from collections.abc import AsyncIterator
@@ -11,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from disagg_devtools.emulator.helm import helm_install
 from disagg_devtools.emulator.sandbox import Sandbox, sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "charts" / "disagg-operator"
 
 
 @pytest.fixture(scope="session")
@@ -36,20 +35,6 @@ def run(*args: str | Path, env: dict[str, str] | None = None,
 async def cluster(tmp_path: Path) -> AsyncIterator[Sandbox]:
     async with sandbox(tmp_path / "cluster") as box:
         yield box
-
-
-async def helm_install(box: Sandbox, tools: Path, values: dict[str, Any] | None = None,
-                       namespace: str = "disagg-system") -> dict[str, Any]:
-    # The emulator cannot store Helm's protobuf-encoded release Secret: keep it in memory.
-    env = {**box.env, "HELM_DRIVER": "memory"}
-    args = [tools / "python", ROOT / "tests/static/helm_action.py", "install",
-            box.kubeconfig, namespace, "disagg", CHART]
-    if values is not None:
-        args.append(json.dumps(values))
-    result = await asyncio.to_thread(run, *args, env=env, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    release: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
-    return release
 
 
 def stored(box: Sandbox, plural: str) -> list[dict[str, Any]]:

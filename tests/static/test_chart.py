@@ -11,10 +11,11 @@ from typing import Any
 
 import disagg_operator
 import yaml
+from disagg_devtools.emulator.helm import CHART, HELM_ACTION, helm_install
 from disagg_devtools.emulator.sandbox import Sandbox
 from disagg_operator.crd import render_crd_yaml
 
-from .conftest import CHART, ROOT, helm_install, run, stored
+from .conftest import ROOT, run, stored
 
 
 def chart_meta() -> dict[str, Any]:
@@ -38,7 +39,7 @@ def test_chart_installs_the_generated_crd_not_a_copy() -> None:
 
 
 def test_helm_lint(tools: Path) -> None:
-    result = run(tools / "python", ROOT / "tests/static/helm_action.py", "lint", CHART)
+    result = run(tools / "python", HELM_ACTION, "lint", CHART)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["Errors"] is None
@@ -126,7 +127,7 @@ async def test_the_operators_etcd_client_certificate_is_mounted_not_read(
 async def test_helm_install_rejects_bad_values(cluster: Sandbox, tools: Path) -> None:
     env = {**cluster.env, "HELM_DRIVER": "memory"}
     result = await asyncio.to_thread(
-        run, tools / "python", ROOT / "tests/static/helm_action.py", "install",
+        run, tools / "python", HELM_ACTION, "install",
         cluster.kubeconfig, "disagg-system", "disagg", CHART,
         json.dumps({"watchNamespaces": ["Not_A_Namespace"]}), env=env, timeout=120)
     assert result.returncode != 0

@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 
 import pytest
+from disagg_devtools.emulator.helm import CHART
 
-from .conftest import CHART, ROOT, run
+from .conftest import ROOT, run
 
 GOLDEN = sorted((ROOT / "tests" / "golden").glob("*.yaml"))
 KUBERNETES_VERSION = "1.32.0"

@@ -68,6 +68,11 @@ def noise(first: list[list[list[float]]], second: list[list[list[float]]]) -> fl
     return largest
 
 
+def sentence(rng: random.Random, words: int) -> str:
+    """Random text of `words` words that the tiny models' tokenizer splits into many tokens."""
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
 @dataclass
 class Conversations:
     """Randomized chat-like prompts: a few system prompts shared by several conversations, each
@@ -86,7 +91,7 @@ class Conversations:
         self._system = [self._sentence(60) for _ in range(self.systems)]
 
     def _sentence(self, words: int) -> str:
-        return " ".join(self._rng.choice(_WORDS) for _ in range(words))
+        return sentence(self._rng, words)
 
     def plan(self) -> list[tuple[int, int]]:
         """(conversation, turn) in the order they are asked: turns interleave across

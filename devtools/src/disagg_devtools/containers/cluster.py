@@ -21,7 +21,7 @@ from types import TracebackType
 from typing import Any
 
 from disagg_devtools.containers.kubelet import RunningPod, Stores
-from disagg_devtools.containers.podman import container_states, podman
+from disagg_devtools.containers.podman import container_logs, container_states, podman
 from disagg_devtools.containers.pods import PodPlan, workload_pods
 
 TICK_SECONDS = 1.0
@@ -54,6 +54,7 @@ class PodmanCluster:
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
+        await self.save_logs()
         await asyncio.gather(*(pod.remove() for pod in self.pods.values()))
         await self._remove_leftovers()
         shutil.rmtree(Path("/dev/shm") / self.folder.name, ignore_errors=True)
@@ -118,7 +119,19 @@ class PodmanCluster:
 
     async def delete_pod(self, name: str) -> float:
         pod = self.pods.pop(name)
+        await self.save_logs([pod])
         return await pod.stop()
+
+    async def save_logs(self, pods: Iterable[RunningPod] | None = None) -> Path:
+        """Every container's whole log under <folder>/logs, kept after the pods are gone."""
+        folder = self.folder / "logs"
+        folder.mkdir(exist_ok=True)
+        for pod in pods if pods is not None else self.pods.values():
+            for container in pod.containers.values():
+                text = await container_logs(container.name)
+                (folder / f"{container.name}.log").write_text(text)
+            (folder / f"{pod.name}.events").write_text("\n".join(pod.events) + "\n")
+        return folder
 
     async def _kubelet_loop(self) -> None:
         while True:

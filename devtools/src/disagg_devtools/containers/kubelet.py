@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from disagg_operator.quantity import parse_quantity
 
-from disagg_devtools.containers.podman import exec_in, pod_ip, podman
+from disagg_devtools.containers.podman import container_logs, exec_in, pod_ip, podman
 from disagg_devtools.containers.pods import (
     PodFacts,
     PodPlan,
@@ -306,8 +306,7 @@ class RunningPod:
                       ignore_errors=True)
 
     async def logs(self, container: str, tail: int = 40) -> str:
-        return await podman("logs", "--tail", str(tail), f"{self.name}-{container}",
-                            check=False)
+        return await container_logs(f"{self.name}-{container}", tail)
 
 
 def _write_files(folder: Path, files: Mapping[str, bytes], items: list[dict[str, Any]] | None,

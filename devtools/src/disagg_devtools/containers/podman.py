@@ -66,3 +66,12 @@ async def pod_ip(pod: str, network: str) -> str:
     if not ip:
         raise PodmanError(f"pod {pod} has no address on network {network}")
     return ip
+
+
+async def container_logs(container: str, tail: int | None = None) -> str:
+    """The container's output, stdout and stderr interleaved as written."""
+    process = await asyncio.create_subprocess_exec(
+        "podman", "logs", *(("--tail", str(tail)) if tail else ()), container,
+        env=environment(), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await process.communicate()
+    return out.decode(errors="replace")

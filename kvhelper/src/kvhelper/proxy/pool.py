@@ -145,22 +145,37 @@ class Pool:
 
     async def check_health(self, session: aiohttp.ClientSession) -> None:
         async def probe(backend: Backend) -> None:
+            late = False
             try:
                 async with session.get(f"{backend.url}/health") as response:
                     ok = response.status == 200
-            except (aiohttp.ClientError, TimeoutError):
+            except TimeoutError:
+                ok, late = False, True
+            except aiohttp.ClientError:
                 ok = False
             if ok:
                 if not backend.healthy:
                     log.info("readmitting %s", backend.url)
                     self._fingerprints.clear()
                 backend.failures, backend.request_failures, backend.healthy = 0, 0, True
-            else:
-                backend.failures += 1
-                if backend.failures >= self.eject_after:
-                    self.eject(backend, f"{backend.failures} failed health checks")
+                return
+            backend.failures += 1
+            if backend.failures < self.eject_after:
+                return
+            if late and self._last_healthy(backend):
+                # Too busy to answer in time, and nothing else of its role to send work to:
+                # ejecting it would only give up every request it is serving.
+                if backend.failures == self.eject_after:
+                    log.warning("keeping %s: its health checks time out, but it is the only "
+                                "healthy %s instance", backend.url, backend.instance.role)
+                return
+            self.eject(backend, f"{backend.failures} failed health checks")
 
         await asyncio.gather(*(probe(b) for b in list(self.backends.values())))
+
+    def _last_healthy(self, backend: Backend) -> bool:
+        return backend.healthy and not any(
+            b.healthy for b in self.members(backend.instance.role) if b is not backend)
 
 
 def _outstanding(backend: Backend) -> int:
