@@ -79,9 +79,11 @@ images:
 	bash docker/build-images.sh
 
 # The operator's rendered seed topology run as containers from those images, in a network
-# namespace of its own: answers against a plain instance, a decode killed, a rolling change.
-e2e-containers: images $(SERVING_STAMP)
-	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/containers'
+# namespace of its own: the operator image reconciling the seed against the API emulator; the
+# seed topology answering as a plain instance does, a decode killed, a rolling change.
+e2e-containers: images envs
+	unshare -n sh -c 'ip link set lo up && exec $(VENV)/bin/python -m pytest tests/containers/operator'
+	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/containers/serving'
 
 clean:
 	rm -rf $(VENV) $(SERVING_VENV) $(TOOLS_VENV)

@@ -59,13 +59,14 @@ async def background() -> AsyncIterator[Background]:
 
 
 def registrar_for(fake: FakeVLLM, role: str, etcd: EtcdProcess, ttl: int = 2,
-                  endpoints: list[tuple[str, int]] | None = None) -> Registrar:
+                  endpoints: list[tuple[str, int]] | None = None,
+                  late_grace: float = 30.0) -> Registrar:
     instance = Instance(id=fake.name, role=role, url=fake.url, model="tiny",  # type: ignore[arg-type]
                         fingerprint="fp1")
     return Registrar(RegistrarConfig(
         instance=instance, health_url=f"{fake.url}/health",
         etcd=endpoints or [("127.0.0.1", etcd.client_port)], prefix=PREFIX, ttl=ttl,
-        interval=0.2, unhealthy_after=2))
+        interval=0.2, unhealthy_after=2, late_grace=late_grace))
 
 
 def follow(etcd: EtcdProcess, background: Background,
@@ -105,6 +106,30 @@ async def test_registration_follows_health_and_stop(etcd, background) -> None:
         stop.set()  # SIGTERM in the CLI
         await asyncio.wait_for(registrar, 10)
         await wait_for(lambda: view == {}, 2, "withdrawal on stop (revoked, not expired)")
+    finally:
+        await fake.stop()
+
+
+async def test_an_instance_that_answers_its_health_checks_late_stays_registered_for_a_while(
+        etcd, background) -> None:
+    """Found running the pods as containers on 2 cores: while one instance restarted, the
+    others answered /health late and their registrars withdrew them, one after another, so
+    the proxy lost instances that were serving. A late answer is not a failed one: it
+    withdraws only after `late_grace` seconds of them; a refusal or an error answer withdraws
+    after `unhealthy_after` checks, as before."""
+    fake = await FakeVLLM("d0").start()
+    try:
+        view = follow(etcd, background)
+        background.start(registrar_for(fake, "decode", etcd, late_grace=3.0).run(
+            asyncio.Event()))
+        await wait_for(lambda: urls(view) == {fake.url}, 10, "the registration")
+        fake.health_delay = 1.5  # past the check's 1 s timeout
+        late_since = asyncio.get_running_loop().time()
+        for _ in range(10):  # 2 s: ten checks, five times unhealthy_after
+            await asyncio.sleep(0.2)
+            assert urls(view) == {fake.url}, "withdrawn for answering late"
+        await wait_for(lambda: view == {}, 10, "withdrawal after late_grace")
+        assert asyncio.get_running_loop().time() - late_since >= 3.0
     finally:
         await fake.stop()
 

@@ -1,6 +1,7 @@
 """The registrar: runs beside one vLLM server and keeps its etcd registration in step with its
 health. It registers once `/health` answers 200, under a lease it keeps alive; it withdraws the
-registration after `--unhealthy-after` failed checks and on SIGTERM. A crashed pod stops renewing
+registration after `--unhealthy-after` failed checks (or `--late-grace` seconds of checks answered
+late: busy is not down) and on SIGTERM. A crashed pod stops renewing
 and its key expires with the lease TTL, so the proxy drops it without anyone cleaning up.
 
     python -m kvhelper.registry --role prefill --url http://10.0.0.7:8000 \\
@@ -17,7 +18,9 @@ import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import dataclass
+from typing import Literal
 
 import aetcd
 import aiohttp
@@ -26,6 +29,9 @@ from kvhelper.etcd_client import EtcdTls, etcd_client
 from kvhelper.instances import ROLES, Instance, split_endpoints
 
 log = logging.getLogger("kvhelper.registry")
+
+
+Health = Literal["ok", "late", "failed"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,8 @@ class RegistrarConfig:
     ttl: int = 10
     interval: float = 2.0  # between health checks and lease renewals
     unhealthy_after: int = 3  # consecutive failed checks before withdrawing
+    # A check that times out says "busy", not "down": withdraw only after this long of them.
+    late_grace: float = 30.0
     tls: EtcdTls | None = None  # from the environment (kvhelper.etcd_client)
 
 
@@ -63,12 +71,14 @@ class Registrar:
             with contextlib.suppress(Exception):
                 await client.close()
 
-    async def _healthy(self, session: aiohttp.ClientSession) -> bool:
+    async def _health(self, session: aiohttp.ClientSession) -> Health:
         try:
             async with session.get(self.config.health_url) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+                return "ok" if response.status == 200 else "failed"
+        except TimeoutError:
+            return "late"
+        except aiohttp.ClientError:
+            return "failed"
 
     async def register(self) -> None:
         client = await self._etcd()
@@ -103,9 +113,16 @@ class Registrar:
     async def run(self, stop: asyncio.Event) -> None:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.config.interval))
         failures = 0
+        late_since: float | None = None
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while not stop.is_set():
-                if await self._healthy(session):
+                health = await self._health(session)
+                now = time.monotonic()
+                if health == "late":
+                    late_since = now if late_since is None else late_since
+                else:
+                    late_since = None
+                if health == "ok":
                     failures = 0
                     if self._lease is None or not await self._renew():
                         try:
@@ -116,10 +133,14 @@ class Registrar:
                                         *self.config.etcd[self._endpoint], err)
                             await self._next_endpoint()
                 else:
-                    failures += 1
-                    if failures >= self.config.unhealthy_after and self._lease is not None:
-                        log.warning("%s unhealthy %d times: withdrawing", self.config.health_url,
-                                    failures)
+                    failures += health == "failed"
+                    late = late_since is not None and now - late_since >= self.config.late_grace
+                    if (failures >= self.config.unhealthy_after or late) \
+                            and self._lease is not None:
+                        log.warning("%s %s: withdrawing", self.config.health_url,
+                                    f"answered late for {now - late_since:.0f} s"
+                                    if late and late_since is not None
+                                    else f"unhealthy {failures} times")
                         await self.withdraw()
                     elif self._lease is not None:
                         await self._renew()
@@ -145,6 +166,9 @@ def parse_args(argv: list[str] | None = None) -> RegistrarConfig:
     parser.add_argument("--ttl", type=int, default=10)
     parser.add_argument("--interval", type=float, default=2.0)
     parser.add_argument("--unhealthy-after", type=int, default=3)
+    parser.add_argument("--late-grace", type=float, default=30.0,
+                        help="Seconds of health checks answered late (busy, not down) "
+                             "before withdrawing.")
     args = parser.parse_args(argv)
     try:
         etcd = split_endpoints(args.etcd)
@@ -160,7 +184,8 @@ def parse_args(argv: list[str] | None = None) -> RegistrarConfig:
         parser.error(f"etcd TLS: {err}")
     return RegistrarConfig(instance=instance, health_url=args.health_url, etcd=etcd,
                            prefix=args.prefix, ttl=args.ttl, interval=args.interval,
-                           unhealthy_after=args.unhealthy_after, tls=tls)
+                           unhealthy_after=args.unhealthy_after, late_grace=args.late_grace,
+                           tls=tls)
 
 
 async def _main(config: RegistrarConfig) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import shutil
 import time
 from collections.abc import Iterable, Mapping
@@ -25,6 +26,7 @@ from disagg_devtools.containers.podman import container_logs, container_states, 
 from disagg_devtools.containers.pods import PodPlan, workload_pods
 
 TICK_SECONDS = 1.0
+log = logging.getLogger("disagg_devtools.containers")
 
 
 class PodsNotReady(TimeoutError):
@@ -40,6 +42,7 @@ class PodmanCluster:
         self.stores = Stores(claims=folder / "claims")
         self.pods: dict[str, RunningPod] = {}
         self._loop: asyncio.Task[None] | None = None
+        self.loop_errors: list[str] = []
 
     async def __aenter__(self) -> PodmanCluster:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -65,6 +68,12 @@ class PodmanCluster:
                                  f"label=disagg-network={self.network}")).split():
             await podman("pod", "rm", "--force", "--time", "1", pod, check=False)
         await podman("network", "rm", "--force", self.network, check=False)
+
+    async def gateway(self) -> str:
+        """The host's address on the network (where a server on the host is reached from the
+        pods); it exists once a pod has joined the network."""
+        return (await podman("network", "inspect", self.network, "--format",
+                             "{{(index .Subnets 0).Gateway}}")).strip()
 
     def claim(self, name: str) -> Path:
         """The folder standing for the PersistentVolumeClaim `name` (world-writable, as a
@@ -109,7 +118,7 @@ class PodmanCluster:
         raise PodsNotReady(await self.describe([n for n in names if not self.pods[n].ready]))
 
     async def describe(self, names: Iterable[str]) -> str:
-        lines = []
+        lines = [f"kubelet errors: {self.loop_errors[-5:]}"] if self.loop_errors else []
         for name in names:
             pod = self.pods[name]
             lines.append(f"pod {name} ({pod.ip}): {'; '.join(pod.events[-8:])}")
@@ -134,7 +143,13 @@ class PodmanCluster:
         return folder
 
     async def _kubelet_loop(self) -> None:
+        """Never ends on an error (a kubelet keeps going): each is logged and kept in
+        `loop_errors`, which wait_ready reports."""
         while True:
-            states = await container_states("")
-            await asyncio.gather(*(pod.tick(states) for pod in list(self.pods.values())))
+            try:
+                states = await container_states("")
+                await asyncio.gather(*(pod.tick(states) for pod in list(self.pods.values())))
+            except Exception as error:  # noqa: BLE001 - any failure of one round
+                log.warning("kubelet round failed: %r", error)
+                self.loop_errors.append(repr(error))
             await asyncio.sleep(TICK_SECONDS)

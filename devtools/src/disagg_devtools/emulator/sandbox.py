@@ -117,12 +117,14 @@ class Sandbox:
 
 
 @contextlib.asynccontextmanager
-async def sandbox(workdir: Path, readiness: Readiness = "instant") -> AsyncIterator[Sandbox]:
-    """The emulator serving our CRD, with KUBECONFIG pointing at it for this process."""
+async def sandbox(workdir: Path, readiness: Readiness = "instant",
+                  host: str = "127.0.0.1") -> AsyncIterator[Sandbox]:
+    """The emulator serving our CRD on `host` (loopback unless containers must reach it),
+    with KUBECONFIG pointing at it for this process."""
     workdir.mkdir(parents=True, exist_ok=True)
     saved = os.environ.get("KUBECONFIG")
     async with ClusterEmulator(readiness=readiness) as emulator, \
-            kmock.Server(emulator) as server:
+            kmock.Server(emulator, host=host) as server:
         emulator.register_crd(build_crd())
         kubeconfig = write_kubeconfig(workdir / "kubeconfig", str(server.url))
         env = {**os.environ, "KUBECONFIG": str(kubeconfig),

@@ -29,7 +29,7 @@ from disagg_operator.render import render_spec
 from disagg_operator.spec import parse_spec
 
 HERE = Path(__file__).parent
-SPEC = HERE / "tiny-mla-1p2d.yaml"
+SPEC = HERE.parent / "tiny-mla-1p2d.yaml"
 SERVING_IMAGE = "disagg-operator/serving:0.1.0"
 IMAGES = (SERVING_IMAGE, "localhost/disagg-base/etcd:3.5")
 READY_TIMEOUT = 900.0
