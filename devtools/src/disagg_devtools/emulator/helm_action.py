@@ -8,7 +8,7 @@ import asyncio
 import json
 import sys
 
-import helm_sdkpy as helm  # type: ignore[import-not-found]  # in .venv-tools only
+import helm_sdkpy as helm  # in .venv-tools only (Python 3.12)
 
 
 async def main(argv: list[str]) -> None:
