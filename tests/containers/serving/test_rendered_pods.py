@@ -150,9 +150,10 @@ class Load:
             await asyncio.sleep(0.2)
 
 
-async def _until(condition: Any, timeout: float, what: str) -> float:
+async def _until(deployment: Deployment, condition: Any, timeout: float, what: str) -> float:
     began = time.monotonic()
     while not condition():
+        deployment.cluster.check_loop()
         assert time.monotonic() - began < timeout, what
         await asyncio.sleep(0.2)
     return time.monotonic() - began
@@ -169,14 +170,16 @@ async def test_a_decode_container_killed_is_restarted_and_no_request_fails(
         await load.until(answered=5)
         answered_before = load.ok
         await podman("kill", "--signal", "KILL", vllm.name)
-        await _until(lambda: not victim.ready, 30, "the kubelet never saw the kill")
-        back = await _until(lambda: victim.ready, 600, "the killed decode never came back")
+        await _until(deployment, lambda: not victim.ready, 30, "the kubelet never saw the kill")
+        back = await _until(deployment, lambda: victim.ready, 600,
+                            "the killed decode never came back")
         routed = time.monotonic()
         await wait_routed(deployment, [victim], time.monotonic() + 120)
         await load.until(answered=load.ok + 5)
     finally:
         load.stop.set()
         await running
+    print(f"kubelet errors: {deployment.cluster.loop_errors}")
     print(f"decode SIGKILLed: restarted {vllm.restarts - restarts} time(s), ready again after "
           f"{back:.0f} s, routed again {time.monotonic() - routed:.0f} s later; requests "
           f"{answered_before} before, {load.ok} answered in all, {len(load.failed)} failed")

@@ -43,6 +43,7 @@ class PodmanCluster:
         self.pods: dict[str, RunningPod] = {}
         self._loop: asyncio.Task[None] | None = None
         self.loop_errors: list[str] = []
+        self._closing = False
 
     async def __aenter__(self) -> PodmanCluster:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -53,6 +54,7 @@ class PodmanCluster:
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         trace: TracebackType | None) -> None:
+        self._closing = True
         if self._loop is not None:
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -112,6 +114,7 @@ class PodmanCluster:
         names = list(pods) if pods is not None else list(self.pods)
         began = time.monotonic()
         while time.monotonic() - began < timeout:
+            self.check_loop()
             if all(self.pods[n].ready for n in names):
                 return time.monotonic() - began
             await asyncio.sleep(TICK_SECONDS)
@@ -149,7 +152,17 @@ class PodmanCluster:
             try:
                 states = await container_states("")
                 await asyncio.gather(*(pod.tick(states) for pod in list(self.pods.values())))
+            except asyncio.CancelledError:
+                if self._closing:
+                    raise
+                # A cancellation from inside a round (a library's), not ours: keep going.
+                self.loop_errors.append("a round was cancelled")
             except Exception as error:  # noqa: BLE001 - any failure of one round
                 log.warning("kubelet round failed: %r", error)
                 self.loop_errors.append(repr(error))
             await asyncio.sleep(TICK_SECONDS)
+
+    def check_loop(self) -> None:
+        """Raises when the kubelet loop is gone (waiting on pods would then wait forever)."""
+        if self._loop is not None and self._loop.done():
+            raise RuntimeError(f"the kubelet loop ended: {self._loop!r}; {self.loop_errors}")
