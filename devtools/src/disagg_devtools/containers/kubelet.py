@@ -153,8 +153,9 @@ class RunningPod:
         env_file.touch(mode=0o600)
         env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
         create = ["--pod", self.name, "--name", f"{self.name}-{container['name']}",
-                  "--env-file", str(env_file), "--security-opt", "no-new-privileges"
-                  if security.get("allowPrivilegeEscalation") is False else "label=disable"]
+                  "--env-file", str(env_file)]
+        if security.get("allowPrivilegeEscalation") is False:
+            create += ["--security-opt", "no-new-privileges"]
         if "runAsUser" in security:
             create += ["--user", f"{security['runAsUser']}:{security.get('runAsGroup', 0)}"]
         if "fsGroup" in pod_security:
