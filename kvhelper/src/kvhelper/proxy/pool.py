@@ -184,7 +184,7 @@ class Pool:
                 backend.failures, backend.request_failures, backend.healthy = 0, 0, True
                 return
             backend.failures += 1
-            if backend.unregistered and not late:
+            if backend.unregistered:
                 self._forget(backend)
                 return
             if backend.failures < self.eject_after:
