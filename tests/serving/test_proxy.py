@@ -542,30 +542,3 @@ async def test_a_request_no_pair_can_serve_is_computed_by_decode_alone(backends,
         text = await got.text()
     for reason in ("no_compatible_prefill", "no_compatible_decode"):
         assert f'disagg_proxy_decode_alone_total{{reason="{reason}"}} 1.0' in text, reason
-
-
-async def test_the_last_instance_of_a_role_keeps_serving_after_it_leaves_the_registry(
-        backends) -> None:
-    """Found running the pods as containers: etcd stalled (a 6 s fdatasync) while a decode
-    restarted, the surviving decode's lease expired, and the proxy, left with no decode,
-    answered 503 for 7 s though that decode was serving. The last instance of a role that
-    leaves the registry stays routed until another of its role joins or its own health
-    check fails: nothing else could take its requests."""
-    old, new = await backends("d0"), await backends("d1")
-    pool = Pool(eject_after=1)
-
-    def decode(fake: Any) -> dict[str, Instance]:
-        return {f"reg/{fake.name}": Instance(id=fake.name, role="decode", url=fake.url,
-                                             model="m")}
-
-    pool.update(decode(old))
-    pool.update({})  # its lease expired
-    assert (picked := pool.pick("decode")) is not None and picked.url == old.url
-    pool.update(decode(new))  # another decode joined: the one that left goes
-    assert [b.url for b in pool.members("decode")] == [new.url]
-    pool.update(decode(old))
-    pool.update({})
-    old.healthy = False  # and a kept instance whose health check fails goes as well
-    async with aiohttp.ClientSession() as session:
-        await pool.check_health(session)
-    assert pool.members("decode") == []

@@ -218,10 +218,7 @@ async def test_proxy_routes_to_registered_instances_only(etcd, background, backe
         await asyncio.sleep(0.1)
     assert decode.requests and decode.requests[-1]["kv_transfer_params"]["remote_engine_id"] \
         == "p0"
-    # The decode pod crashes: its registrar and its server with it. (A last decode whose
-    # registration alone expired, its server still answering, stays routed: test_proxy.)
-    decode_registrar.cancel()
-    await decode.stop()
+    decode_registrar.cancel()  # the decode pod crashes
     deadline = time.monotonic() + 10
     while await status() != 503:
         assert time.monotonic() < deadline, "the expired decode stayed in the pool"

@@ -34,9 +34,6 @@ class Backend:
     queued_tokens: int = 0  # prompt tokens not in the store, of the prefills in progress here
     held: HeldPrefixes = field(default_factory=HeldPrefixes)  # a prefill's own prefix cache
     failures: int = 0  # failed health checks in a row
-    # It left the registry but was the last of its role: kept until another of its role
-    # joins or a health check of its own fails (Pool.update).
-    unregistered: bool = False
     request_failures: int = 0  # failed requests in a row
     # Deadlines of the requests waiting on this instance: ejecting it expires them.
     waiting: set[asyncio.Timeout] = field(default_factory=set)
@@ -81,37 +78,16 @@ class Pool:
     _fingerprints: dict[Role, set[str]] = field(default_factory=dict)
 
     def update(self, instances: dict[str, Instance]) -> None:
-        """Replace the membership, keeping the state of instances that stay. The last healthy
-        instance of a role that leaves the registry (withdrawn, or its lease expired while
-        etcd stalled) stays routed, marked unregistered, until another instance of its role
-        joins or its own health check fails: nothing else could take its requests."""
+        """Replace the membership, keeping the state of instances that stay."""
         kept = {}
         for key, instance in instances.items():
             current = self.backends.get(key)
-            kept[key] = (current if current and current.instance == instance
-                         else Backend(instance))
-            kept[key].unregistered = False
+            kept[key] = current if current and current.instance == instance else Backend(instance)
         for key in set(self.backends) - set(kept):
-            gone = self.backends[key]
-            role = gone.instance.role
-            if gone.healthy and not any(b.instance.role == role for b in kept.values()):
-                if not gone.unregistered:
-                    log.warning("instance left: %s; still routed, the last %s instance",
-                                gone.url, role)
-                gone.unregistered = True
-                kept[key] = gone
-            else:
-                log.info("instance left: %s", gone.url)
+            log.info("instance left: %s", self.backends[key].url)
         for key in set(kept) - set(self.backends):
             log.info("instance joined: %s %s", kept[key].instance.role, kept[key].url)
         self.backends = kept
-        self._fingerprints.clear()
-
-    def _forget(self, backend: Backend) -> None:
-        for key, found in list(self.backends.items()):
-            if found is backend:
-                del self.backends[key]
-                log.info("instance left: %s (it had left the registry)", backend.url)
         self._fingerprints.clear()
 
     def members(self, role: Role) -> list[Backend]:
@@ -184,9 +160,6 @@ class Pool:
                 backend.failures, backend.request_failures, backend.healthy = 0, 0, True
                 return
             backend.failures += 1
-            if backend.unregistered:
-                self._forget(backend)
-                return
             if backend.failures < self.eject_after:
                 return
             if late and self._last_healthy(backend):
