@@ -54,7 +54,7 @@ class Deployment:
         return self.cluster.workload(f"{self.name}-{role}")
 
 
-def _require_images() -> None:
+def require_images() -> None:
     missing = [image for image in IMAGES if subprocess.run(
         ["podman", "image", "exists", image], env=environment()).returncode != 0]
     if missing:
@@ -78,17 +78,22 @@ def plain_pod(decode_template: dict[str, Any], name: str) -> PodPlan:
     return PodPlan(name, "default", name, {"app": name}, spec)
 
 
+def put_model(cluster: PodmanCluster) -> None:
+    """The tiny MLA model on the claim `tiny-models`, readable as a download job leaves it."""
+    model = make_mla(cluster.claim("tiny-models") / "tiny-mla")
+    for path in [model, *model.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
 @pytest_asyncio.fixture(scope="package", loop_scope="package")
 async def deployment(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Deployment]:
     if os.geteuid() != 0:
         pytest.fail("the container e2e runs as root (podman's rootful networks)")
-    _require_images()
+    require_images()
     folder = tmp_path_factory.mktemp("containers")
     name, objects = rendered()
     async with PodmanCluster("e2e", folder) as cluster:
-        model = make_mla(cluster.claim("tiny-models") / "tiny-mla")
-        for path in [model, *model.iterdir()]:
-            path.chmod(0o755 if path.is_dir() else 0o644)  # as a download job leaves them
+        put_model(cluster)
         began = time.monotonic()
         await cluster.apply(objects)
         decode = next(o for o in objects if o["metadata"]["name"] == f"{name}-decode")
