@@ -130,9 +130,13 @@ class PodmanCluster:
         return "\n".join(lines)
 
     async def delete_pod(self, name: str) -> float:
+        """The pod stopped as a kubelet deletes it; its logs, its preStop hook's time
+        included, are kept. Returns the seconds the stop took."""
         pod = self.pods.pop(name)
+        took = await pod.stop()
         await self.save_logs([pod])
-        return await pod.stop()
+        await pod.remove()
+        return took
 
     async def save_logs(self, pods: Iterable[RunningPod] | None = None) -> Path:
         """Every container's whole log under <folder>/logs, kept after the pods are gone."""

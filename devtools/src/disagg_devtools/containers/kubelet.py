@@ -276,8 +276,9 @@ class RunningPod:
 
     # ---- stop ------------------------------------------------------------------------------
     async def stop(self) -> float:
-        """Deletes the pod as a kubelet does: preStop hooks, then SIGTERM, then SIGKILL at
-        the end of the grace period. Returns the seconds it took."""
+        """Stops the pod as a kubelet deletes one: preStop hooks, then SIGTERM, then SIGKILL
+        at the end of the grace period (remove() then deletes it). Returns the seconds it
+        took."""
         self._stopping = True
         began = time.monotonic()
         grace = float(self.plan.spec.get("terminationGracePeriodSeconds", 30))
@@ -294,7 +295,6 @@ class RunningPod:
                          timeout=left + 30)
 
         await asyncio.gather(*(stop_one(s) for s in self.containers.values()))
-        await self.remove()
         return time.monotonic() - began
 
     async def remove(self) -> None:
