@@ -349,3 +349,33 @@ async def test_an_object_the_operator_does_not_own_is_never_taken_over(cluster, 
     await api.wait_condition("dsv2-lite", "Ready", "True", "AllComponentsReady")
     ours = api.get("configmaps", "dsv2-lite-config", group="") or {}
     assert ours["metadata"]["ownerReferences"][0]["kind"] == "DisaggServing"
+
+
+async def test_a_missing_etcd_tls_secret_is_named_in_the_status(cluster: Sandbox,
+                                                                api: Api) -> None:
+    """The kubelet names a missing Secret volume only in a FailedMount Event (no kubelet runs
+    here: the test writes the pod state and the Event as it would); the status names it."""
+    import kmock
+
+    await api.create(example("deepseek-v2-lite-etcd-tls.yaml"))
+    await api.wait(lambda: api.children("dsv2-lite-tls"), "the children")
+    pod, secret = "dsv2-lite-tls-prefill-x1", "dsv2-lite-tls-etcd-client"
+    cluster.emulator.objects[kmock.resource("", "v1", "pods"), NAMESPACE, pod] = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": pod, "namespace": NAMESPACE, "labels": {
+            "app.kubernetes.io/instance": "dsv2-lite-tls",
+            "app.kubernetes.io/managed-by": "disagg-operator",
+            "app.kubernetes.io/component": "prefill"}},
+        "status": {"phase": "Pending", "containerStatuses": [{
+            "name": "vllm", "restartCount": 0,
+            "state": {"waiting": {"reason": "ContainerCreating"}}}]}}
+    cluster.emulator.objects[kmock.resource("", "v1", "events"), NAMESPACE, f"{pod}.1"] = {
+        "apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": "FailedMount",
+        "metadata": {"name": f"{pod}.1", "namespace": NAMESPACE},
+        "involvedObject": {"kind": "Pod", "name": pod, "namespace": NAMESPACE},
+        "message": f'MountVolume.SetUp failed for volume "etcd-client-tls" : secret '
+                   f'"{secret}" not found'}
+    cond = await api.wait_condition("dsv2-lite-tls", "Degraded", "True", "SecretMissing")
+    assert f"Secret {secret} (named by spec.etcd.tls.clientSecret) does not exist" in \
+        cond["message"]
+    assert api.condition("dsv2-lite-tls", "Progressing")["reason"] == "SecretMissing"  # type: ignore[index]

@@ -8,7 +8,7 @@ import pytest
 import yaml
 from disagg_devtools.emulator.server import apply_schema_defaults, plain_schema
 from disagg_operator.crd import build_crd
-from disagg_operator.spec import parse_spec
+from disagg_operator.spec import parse_spec, spec_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -21,7 +21,9 @@ def test_example_is_valid_with_defaults(example: Path) -> None:
     defaulted = apply_schema_defaults(SCHEMA, doc)
     body = {k: v for k, v in defaulted.items() if k != "metadata"}
     jsonschema.Draft4Validator(plain_schema(SCHEMA)).validate(body)
-    parse_spec(defaulted["spec"])  # the operator's cross-field (CEL-mirroring) checks
+    spec = parse_spec(defaulted["spec"])  # the operator's cross-field (CEL-mirroring) checks
+    assert spec.model.kv_heads is not None  # so the operator checks its TP sizes up front
+    assert spec_warnings(spec) == []
 
 
 def test_the_check_catches_a_bad_example() -> None:

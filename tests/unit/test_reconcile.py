@@ -82,6 +82,9 @@ class RecordingApi:
     async def list_pods(self, owner):  # noqa: ANN001, ANN201
         return []
 
+    async def list_pod_events(self, namespace, reason):  # noqa: ANN001, ANN201
+        return []
+
     async def get(self, kind, namespace, name):  # noqa: ANN001, ANN201
         return self.children.get((kind, name))
 

@@ -10,7 +10,7 @@ from disagg_operator import plan
 from disagg_operator.association import Owner
 from disagg_operator.crd import render_crd_yaml
 from disagg_operator.render import render_spec as render
-from disagg_operator.spec import InvalidSpecError, parse_spec
+from disagg_operator.spec import InvalidSpecError, parse_spec, spec_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -174,8 +174,17 @@ def test_tp_sizes_and_store_shards_are_checked_against_the_kv_heads(
     with pytest.raises(InvalidSpecError) as err:
         parse_spec(spec)
     assert str(err.value).startswith(field) and "8 KV heads" in str(err.value)
-    spec["model"].pop("kvHeads")  # without the head count the operator cannot tell
-    parse_spec(spec)
+    spec["model"].pop("kvHeads")  # without the head count the operator cannot tell...
+    (warning,) = spec_warnings(parse_spec(spec))  # ...and says so
+    assert warning.reason == "KVHeadsUnset" and "set model.kvHeads" in warning.message
+
+
+def test_a_spec_with_nothing_to_check_has_no_warning_and_mla_sets_one_head() -> None:
+    doc = yaml.safe_load((ROOT / "examples" / "llama-1p1d.yaml").read_text())
+    doc["spec"]["model"].pop("kvHeads")
+    assert spec_warnings(parse_spec(doc["spec"])) == []  # TP 1 everywhere: nothing to check
+    tp16 = yaml.safe_load((ROOT / "examples" / "deepseek-v3-tp16.yaml").read_text())["spec"]
+    assert tp16["model"]["kvHeads"] == 1 and spec_warnings(parse_spec(tp16)) == []
 
 
 def test_decode_saving_is_set_on_decode_only() -> None:

@@ -138,3 +138,34 @@ def test_an_externally_scaled_role_reports_the_count_its_scaler_set() -> None:
                                     autoscaling={"mode": "External"}), {}, "t1")
     assert status["decode"]["replicas"] == 5
     assert status["autoscaling"]["decode"] == {"desired": 5, "current": 4}
+
+
+def test_the_status_says_secret_missing_instead_of_components_not_ready() -> None:
+    message = "Secret x (named by spec.etcd.tls.clientSecret) does not exist in namespace d"
+    before = compute_status(_obs({"prefill": 0}), {}, "t1")
+    assert condition(before, "Ready")["reason"] == "ComponentsNotReady"
+    status = compute_status(replace(_obs({"prefill": 0}), missing_secrets=(message,)),
+                            before, "t2")
+    for ctype, expected in (("Ready", "False"), ("Progressing", "False"), ("Degraded", "True")):
+        found = condition(status, ctype)
+        assert (found["status"], found["reason"]) == (expected, "SecretMissing"), ctype
+        assert message in found["message"]
+    # One Warning (Ready's reason changed), not a second one for Degraded saying the same.
+    assert [(e.type, e.reason) for e in transition_events(before, status)] == [
+        ("Warning", "SecretMissing")]
+
+
+def test_a_spec_warning_is_a_condition_and_one_event() -> None:
+    from disagg_operator.spec import SpecWarning
+
+    quiet = compute_status(_obs({}), {}, "t1")
+    assert (condition(quiet, "ConfigWarning")["status"],
+            condition(quiet, "ConfigWarning")["reason"]) == ("False", "NoWarnings")
+    warned = replace(_obs({}), warnings=(SpecWarning("KVHeadsUnset", "model.kvHeads ..."),))
+    status = compute_status(warned, quiet, "t2")
+    found = condition(status, "ConfigWarning")
+    assert (found["status"], found["reason"]) == ("True", "KVHeadsUnset")
+    assert condition(status, "Ready")["status"] == "True"  # a warning does not stop serving
+    assert [(e.type, e.reason) for e in transition_events(quiet, status)] == [
+        ("Warning", "KVHeadsUnset")]
+    assert transition_events(status, compute_status(warned, status, "t3")) == []

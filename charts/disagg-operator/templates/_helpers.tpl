@@ -58,7 +58,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
+# Events: its own are created; the kubelet's FailedMount ones are listed, as they alone say
+# which Secret a waiting pod lacks (the operator has no access to Secrets).
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
 {{- end -}}

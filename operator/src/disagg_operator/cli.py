@@ -15,7 +15,7 @@ import yaml
 from disagg_operator.association import Owner, name_problem
 from disagg_operator.crd import render_crd_yaml
 from disagg_operator.render import render_spec
-from disagg_operator.spec import InvalidSpecError, parse_spec
+from disagg_operator.spec import InvalidSpecError, parse_spec, spec_warnings
 
 DEFAULT_SERVING_IMAGE = "disagg-operator/serving:0.1.0"
 
@@ -51,6 +51,8 @@ def render_cmd(path: Path, namespace: str, default_image: str,
     except InvalidSpecError as err:
         click.echo(f"error: {path}: {err}", err=True)
         sys.exit(2)
+    for warning in spec_warnings(spec):
+        click.echo(f"warning: {path}: {warning.reason}: {warning.message}", err=True)
     owner = Owner(name, meta.get("namespace", namespace), "<uid>")
     objects = render_spec(owner, spec, default_image, operator_namespace=operator_namespace)
     click.echo(yaml.safe_dump_all(objects, sort_keys=False), nl=False)

@@ -36,6 +36,7 @@ _RESOURCES = {
 # Kinds a cluster serves only with an add-on installed (their CRD): listed only if served.
 OPTIONAL_KINDS = ("LeaderWorkerSet",)
 _POD = create_namespaced_resource("", "v1", "Pod", "pods")
+_EVENT = create_namespaced_resource("", "v1", "Event", "events")
 # The kinds render() produces, i.e. every kind the operator may need to prune.
 CHILD_KINDS = tuple(_RESOURCES)
 DisaggServingResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
@@ -60,6 +61,7 @@ class ClusterApi(Protocol):
     async def serves(self, kind: str, namespace: str) -> bool: ...
     async def list_children(self, owner: Owner) -> dict[ChildKey, Manifest]: ...
     async def list_pods(self, owner: Owner) -> list[Manifest]: ...
+    async def list_pod_events(self, namespace: str, reason: str) -> list[Manifest]: ...
     async def get(self, kind: str, namespace: str, name: str) -> Manifest | None: ...
     async def apply(self, manifest: Manifest, dry_run: bool = False,
                     field_manager: str = FIELD_MANAGER) -> Manifest: ...
@@ -81,6 +83,20 @@ class LightkubeApi:
             pods = [dict(item) async for item in self.client.list(
                 _POD, namespace=owner.namespace, labels=dict(owned_labels(owner.name)))]
         return pods
+
+    async def list_pod_events(self, namespace: str, reason: str) -> list[Manifest]:
+        """The namespace's Events about pods with this reason (the kubelet's FailedMount says
+        which Secret a waiting pod lacks); [] where the operator may not list Events."""
+        events: list[Manifest] = []
+        try:
+            async with _translated():
+                events = [dict(item) async for item in self.client.list(
+                    _EVENT, namespace=namespace,
+                    fields={"reason": reason, "involvedObject.kind": "Pod"})]
+        except ApiFailure as err:
+            if err.code != 403:
+                raise
+        return events
 
     async def get(self, kind: str, namespace: str, name: str) -> Manifest | None:
         """The object of this kind and name, whoever owns it; None if there is none."""

@@ -101,6 +101,7 @@ class SecretMount:
     volume: str
     secret: str
     path: str
+    field: str  # the spec field that names the Secret, for messages
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,20 @@ class Plan:
 
     def component(self, role: Role) -> Component | None:
         return next((c for c in self.components if c.role == role), None)
+
+    def secret_fields(self) -> dict[str, tuple[str, ...]]:
+        """Each Secret the pods read (mounted or as env values), with the spec fields that
+        name it: what a status message points at when the Secret is missing."""
+        found: dict[str, list[str]] = {}
+        for component in self.components:
+            for process in (component.main, *component.sidecars, *(
+                    [component.worker] if component.worker else [])):
+                named = [(m.secret, m.field) for m in process.secret_mounts] + [
+                    (v.name, v.field) for _, v in process.env if isinstance(v, SecretKey)]
+                for secret, spec_field in named:
+                    if spec_field not in found.setdefault(secret, []):
+                        found[secret].append(spec_field)
+        return {secret: tuple(fields) for secret, fields in found.items()}
 
 
 class Addressing(Protocol):
@@ -491,7 +506,8 @@ def etcd_client_env(spec: DisaggServingSpec) -> tuple[tuple[str, EnvValue], ...]
 def etcd_client_mounts(spec: DisaggServingSpec) -> tuple[SecretMount, ...]:
     if spec.etcd.tls is None:
         return ()
-    return (SecretMount("etcd-client-tls", spec.etcd.tls.client_secret, ETCD_CLIENT_TLS_DIR),)
+    return (SecretMount("etcd-client-tls", spec.etcd.tls.client_secret, ETCD_CLIENT_TLS_DIR,
+                        "spec.etcd.tls.clientSecret"),)
 
 
 def peer_check_command(role: VLLMRole, spec: DisaggServingSpec,
@@ -660,7 +676,8 @@ def _etcd_component(name: str, spec: DisaggServingSpec) -> Component:
         ports=ports,
         health_path="/health",
         health_port="metrics" if tls else None,
-        secret_mounts=((SecretMount("etcd-server-tls", tls.server_secret, ETCD_SERVER_TLS_DIR),)
+        secret_mounts=((SecretMount("etcd-server-tls", tls.server_secret, ETCD_SERVER_TLS_DIR,
+                                    "spec.etcd.tls.serverSecret"),)
                        if tls is not None and tls.server_secret else ()),
     )
     etcd = spec.etcd

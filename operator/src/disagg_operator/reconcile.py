@@ -23,10 +23,11 @@ from disagg_operator.autoscaler import Autoscaler, with_replicas
 from disagg_operator.etcd_health import EtcdHealthChecker
 from disagg_operator.field_ownership import HANDOVER_MANAGER, replicas_handovers
 from disagg_operator.kube import OPTIONAL_KINDS, ApiFailure, ChildKey, ClusterApi
+from disagg_operator.missing_secrets import FAILED_MOUNT, missing_secrets, waiting_pods
 from disagg_operator.plan import ClusterAddressing, Plan, build_plan
 from disagg_operator.quantity import parse_quantity
 from disagg_operator.render import Manifest, render
-from disagg_operator.spec import InvalidSpecError, parse_spec
+from disagg_operator.spec import InvalidSpecError, parse_spec, spec_warnings
 from disagg_operator.status import (
     EventSpec,
     Observation,
@@ -261,6 +262,7 @@ class Reconciler:
         except ChildConflict as err:
             apply_error, error_reason = str(err), "Conflict"
 
+        secrets_missing = await self._missing_secrets(owner, plan, pods)
         health = await self.etcd.check(plan.etcd_endpoints, plan.etcd_health_via)
         transfer = (await self.transfer.check(owner.uid, spec, pods)
                     if self.transfer is not None else None)
@@ -271,7 +273,8 @@ class Reconciler:
             endpoint=self._endpoint(owner, plan), apply_error=apply_error,
             apply_error_reason=error_reason, pods=pods,
             roles={child_name(owner.name, c.role): c.role for c in plan.components},
-            autoscaling=scaling.status if scaling else None, transfer=transfer)
+            autoscaling=scaling.status if scaling else None, transfer=transfer,
+            missing_secrets=tuple(secrets_missing), warnings=tuple(spec_warnings(spec)))
         result.status = compute_status(observation, previous, self.clock())
         result.error = apply_error
         return await self._finish(owner, seen, previous, result)
@@ -291,6 +294,17 @@ class Reconciler:
         if planner_due is not None:
             result.requeue_after = min(result.requeue_after, planner_due)
         return result
+
+    async def _missing_secrets(self, owner: Owner, plan: Plan,
+                               pods: list[Manifest]) -> list[str]:
+        """What the kubelet reports missing, read only while some pod has not started."""
+        if not waiting_pods(pods):
+            return []
+        try:
+            events = await self.api.list_pod_events(owner.namespace, FAILED_MOUNT)
+        except ApiFailure:
+            events = []  # the pods' own states still name a missing env Secret
+        return missing_secrets(pods, events, plan.secret_fields(), owner.namespace)
 
     async def _missing_kinds(self, desired: list[Manifest], namespace: str) -> list[str]:
         kinds = sorted({m["kind"] for m in desired} & set(OPTIONAL_KINDS))

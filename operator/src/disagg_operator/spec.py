@@ -9,6 +9,7 @@ also checked here, so an API server without CEL (or the emulator) cannot let the
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
@@ -106,8 +107,10 @@ class ModelSpec(_Model):
         default=16, description="KV page size in tokens; prefill and decode always share it.")
     kv_heads: int | None = Field(
         default=None, ge=1, description="The model's K/V heads (num_key_value_heads in its "
-        "config), for K/V models: lets the operator check the TP sizes and store_tp_size "
-        "before any pod starts. Leave unset for MLA models (DeepSeek), whose pages are whole.")
+        "config): lets the operator check the TP sizes and store_tp_size before any pod "
+        "starts. MLA models (DeepSeek, Kimi) have one latent head, the same on every rank: "
+        "set 1. Unset, the check waits for the pods' start, and the ConfigWarning condition "
+        "says so.")
     kv_cache_dtype: Literal["auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2",
                             "fp8_ds_mla"] = Field(
         default="auto", description="KV cache dtype (vLLM's --kv-cache-dtype), the same on "
@@ -725,6 +728,28 @@ def check_placement(spec: DisaggServingSpec) -> None:
         raise InvalidSpecError("kvTransfer.mooncake.rdmaResource", (
             "is requested only with protocol rdma: set kvTransfer.mooncake.protocol to rdma, "
             "or remove rdmaResource"))
+
+
+@dataclass(frozen=True)
+class SpecWarning:
+    """Something a valid spec leaves unchecked or likely unintended: shown as a condition."""
+
+    reason: str
+    message: str
+
+
+def spec_warnings(spec: DisaggServingSpec) -> list[SpecWarning]:
+    """What a valid spec leaves to be found at the pods' start rather than up front."""
+    warnings = []
+    tp = {role: getattr(spec, role).tensor_parallel_size for role in ("prefill", "decode")}
+    if spec.model.kv_heads is None and (max(tp.values()) > 1 or "store_tp_size" in
+                                        spec.kv_transfer.extra_config):
+        warnings.append(SpecWarning("KVHeadsUnset", (
+            f"model.kvHeads is unset, so the TP sizes (prefill {tp['prefill']}, decode "
+            f"{tp['decode']}) are checked against the model's K/V heads only when the pods "
+            "start, where a mismatch stops every instance: set model.kvHeads to the "
+            "model's num_key_value_heads (1 for MLA models such as DeepSeek)")))
+    return warnings
 
 
 def check_kv_heads(spec: DisaggServingSpec) -> None:

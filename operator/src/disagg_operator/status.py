@@ -14,16 +14,22 @@ from disagg_operator.association import LABEL_COMPONENT, LABEL_INSTANCE
 from disagg_operator.etcd_health import EtcdHealth
 from disagg_operator.plan import ANNOTATION_COMPAT, Role
 from disagg_operator.render import LWS_WORKER_INDEX_LABEL, Manifest
+from disagg_operator.spec import SpecWarning
 from disagg_operator.transfer_health import TransferHealth
 
 READY = "Ready"
 PROGRESSING = "Progressing"
 DEGRADED = "Degraded"
+# Abnormal-true, like Degraded: the spec is valid, but leaves something unchecked.
+CONFIG_WARNING = "ConfigWarning"
 WORKLOAD_KINDS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
 # Workloads whose status has no observedGeneration (its controller does not report one).
 WITHOUT_OBSERVED_GENERATION = ("LeaderWorkerSet",)
 # The roles a client request needs; each must have at least one ready instance.
 SERVING_ROLES = (Role.PREFILL, Role.DECODE, Role.PROXY)
+# Ready=False reasons announced by a Warning event of their own (not a second "Degraded").
+WARNED_REASONS = ("InvalidSpec", "ApplyFailed", "EtcdUnhealthy", "LeaderWorkerSetMissing",
+                  "SecretMissing")
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,9 @@ class Observation:
     autoscaling: Mapping[str, Any] | None = None
     # Whether P/D really happens (disagg_operator.transfer_health); None: not known.
     transfer: TransferHealth | None = None
+    # Secrets (or keys) that keep pods from starting (disagg_operator.missing_secrets).
+    missing_secrets: tuple[str, ...] = ()
+    warnings: tuple[SpecWarning, ...] = ()  # spec_warnings(spec)
 
 
 # How much of a crashed container's termination message (its log's end) a condition quotes.
@@ -203,6 +212,8 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
     elif zero:
         ready = ("False", "ScaledToZero",
                  f"{', '.join(zero)} has 0 replicas: scale it up to serve requests")
+    elif no_instance and obs.missing_secrets:
+        ready = ("False", "SecretMissing", "; ".join(obs.missing_secrets))
     elif no_instance:
         ready = ("False", "ComponentsNotReady", "no ready instance yet: " + "; ".join(
             w.counts for w in no_instance))
@@ -215,7 +226,10 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
         ready = ("True", "AllComponentsReady",
                  f"{len(workloads)} components ready; serving at {obs.endpoint}")
 
-    if kv_change := kv_rollout(obs.desired, obs.roles, obs.pods):
+    if obs.missing_secrets:
+        progressing = ("False", "SecretMissing", "pods cannot start until it exists: " +
+                       "; ".join(obs.missing_secrets))
+    elif kv_change := kv_rollout(obs.desired, obs.roles, obs.pods):
         progressing = ("True", "KVRollout", kv_change)
     elif rolling:
         progressing = ("True", "RollingOut", "rolling out " + "; ".join(
@@ -225,6 +239,8 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
 
     if obs.apply_error:
         degraded = ("True", obs.apply_error_reason, obs.apply_error)
+    elif obs.missing_secrets:
+        degraded = ("True", "SecretMissing", "; ".join(obs.missing_secrets))
     elif failing:
         degraded = ("True", "WorkloadFailing", "; ".join(f"{w.role}: {w.failure}"
                                                         for w in failing))
@@ -239,9 +255,13 @@ def compute_status(obs: Observation, previous: dict[str, Any], now: str) -> dict
     else:
         degraded = ("False", "AsExpected", "no component reports a failure")
 
+    if obs.warnings:
+        warning = ("True", obs.warnings[0].reason, "; ".join(w.message for w in obs.warnings))
+    else:
+        warning = ("False", "NoWarnings", "the spec leaves nothing unchecked")
     status["conditions"] = merge_conditions(previous.get("conditions") or [], [
-        (READY, *ready), (PROGRESSING, *progressing), (DEGRADED, *degraded)],
-        obs.generation, now)
+        (READY, *ready), (PROGRESSING, *progressing), (DEGRADED, *degraded),
+        (CONFIG_WARNING, *warning)], obs.generation, now)
     return status
 
 
@@ -347,8 +367,7 @@ def transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpe
         if after["status"] == "True":
             if before is None or before["status"] != "True":  # not for Serving <-> All...
                 events.append(EventSpec("Normal", "Ready", after["message"]))
-        elif after["reason"] in ("InvalidSpec", "ApplyFailed", "EtcdUnhealthy",
-                                 "LeaderWorkerSetMissing"):
+        elif after["reason"] in WARNED_REASONS:
             events.append(EventSpec("Warning", after["reason"], after["message"]))
         elif before is not None and before["status"] == "True":
             events.append(EventSpec("Warning", "NotReady", after["message"]))
@@ -364,9 +383,17 @@ def transition_events(old: dict[str, Any], new: dict[str, Any]) -> list[EventSpe
     ignored = (new.get("autoscaling") or {}).get("specIgnored")
     if ignored and ignored != (old.get("autoscaling") or {}).get("specIgnored"):
         events.append(EventSpec("Warning", "ScaleIgnored", ignored))
+    warn_before, warn_after = condition(old, CONFIG_WARNING), condition(new, CONFIG_WARNING)
+    if warn_after and warn_after["status"] == "True" and (
+            warn_before is None or (warn_before["status"], warn_before["reason"]) !=
+            ("True", warn_after["reason"])):
+        events.append(EventSpec("Warning", warn_after["reason"], warn_after["message"]))
     deg_before, deg_after = condition(old, DEGRADED), condition(new, DEGRADED)
-    if deg_after and deg_after["status"] == "True" and deg_after["reason"] not in (
-            "InvalidSpec", "ApplyFailed", "EtcdUnhealthy", "LeaderWorkerSetMissing") and (
+    # Not twice: a Degraded reason that Ready=False already announced has had its event.
+    announced = after is not None and after["status"] == "False" and \
+        after["reason"] in WARNED_REASONS
+    if deg_after and deg_after["status"] == "True" and not (
+            announced and deg_after["reason"] == (after or {}).get("reason")) and (
             deg_before is None or deg_before["status"] != "True"):
         events.append(EventSpec("Warning", "Degraded", deg_after["message"]))
     return events
