@@ -11,7 +11,7 @@ PYTHON_TOOLS ?= $(firstword $(wildcard /usr/bin/python3.12 /usr/local/bin/python
 TOOLS_VENV := .venv-tools
 TOOLS_STAMP := $(TOOLS_VENV)/.installed
 
-.PHONY: run demo-operator envs test lint clean images e2e-operator-image e2e-containers
+.PHONY: run demo-operator envs test lint clean images e2e-operator-image e2e-containers docs
 
 # As root, servers started here live in a private network namespace (loopback only).
 ISOLATE := $(if $(filter 0,$(shell id -u)),unshare -n sh -c 'ip link set lo up && exec "$$0" "$$@"',)
@@ -67,8 +67,8 @@ test: envs
 	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/serving'
 
 lint: $(STAMP) $(SERVING_STAMP)
-	$(VENV)/bin/ruff check operator kvhelper devtools simulator tests benchmarks
-	$(VENV)/bin/mypy operator/src devtools/src simulator/src
+	$(VENV)/bin/ruff check operator kvhelper devtools simulator tests benchmarks docs/gen
+	$(VENV)/bin/mypy operator/src devtools/src simulator/src docs/gen
 	@# kvhelper is read as source here (its runtime needs vLLM): import-linter only parses it.
 	PYTHONPATH=kvhelper/src $(VENV)/bin/lint-imports
 	$(SERVING_VENV)/bin/mypy kvhelper/src
@@ -84,9 +84,16 @@ images:
 e2e-containers: e2e-operator-image
 	unshare -n sh -c 'ip link set lo up && exec $(SERVING_VENV)/bin/python -m pytest tests/containers/serving'
 
-# The smallest container run (CI runs it): the chart's operator pod reconciling the seed.
+# The smallest container run (not in CI, for time): the chart's operator pod reconciling the seed.
 e2e-operator-image: images envs
 	unshare -n sh -c 'ip link set lo up && exec $(VENV)/bin/python -m pytest tests/containers/operator'
+
+# The documentation site: the generated pages and pictures rewritten from their sources, then
+# built strictly (a broken link or anchor fails) into .site/.
+docs: $(STAMP) $(TOOLS_STAMP)
+	$(VENV)/bin/python docs/gen/api_reference.py
+	$(VENV)/bin/python docs/gen/pictures.py
+	NO_MKDOCS_2_WARNING=1 $(TOOLS_VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) $(SERVING_VENV) $(TOOLS_VENV)

@@ -13,7 +13,7 @@ prompt tokens instead of uncached ones, and AIConfigurator's disaggregated picks
 Each workload also runs the planner with instances that serve at once, deciding every 30 s
 (`--startup`, `--startup-interval`): the profile's 300 s start-up, with decisions every 180 s,
 is Dynamo's planner's setting, and no planner that reacts to load meets the rate-step target
-with it (the README has the arithmetic).
+with it (docs/results/planner.md has the arithmetic).
 
     .venv/bin/python benchmarks/sim_autoscaling.py        # about two minutes
 """

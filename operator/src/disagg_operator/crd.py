@@ -16,12 +16,15 @@ _CONDITION_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["type", "status"],
     "properties": {
-        "type": {"type": "string"},
+        "type": {"type": "string", "description": "Ready, Progressing, Degraded or "
+                 "ConfigWarning."},
         "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-        "reason": {"type": "string"},
-        "message": {"type": "string"},
-        "observedGeneration": {"type": "integer", "format": "int64"},
-        "lastTransitionTime": {"type": "string", "format": "date-time"},
+        "reason": {"type": "string", "description": "One word for why (see Conditions)."},
+        "message": {"type": "string", "description": "What is wrong and what to do."},
+        "observedGeneration": {"type": "integer", "format": "int64",
+                               "description": "The generation this condition describes."},
+        "lastTransitionTime": {"type": "string", "format": "date-time",
+                               "description": "When status last changed."},
     },
 }
 
@@ -47,14 +50,15 @@ _SCALED_ROLE: dict[str, Any] = {
 _AUTOSCALING_STATUS: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "mode": {"type": "string"},
-        "prefill": _SCALED_ROLE,
-        "decode": _SCALED_ROLE,
+        "mode": {"type": "string", "description": "spec.autoscaling.mode in effect."},
+        "prefill": {**_SCALED_ROLE, "description": "Prefill's count."},
+        "decode": {**_SCALED_ROLE, "description": "Decode's count."},
         "reason": {"type": "string", "description": "Why the last decision was made."},
         "specIgnored": {"type": "string", "description": "Planner mode: a spec replica count "
                         "changed after the planner started (e.g. kubectl scale), which the "
                         "planner does not follow, and what to do instead."},
-        "lastDecisionTime": {"type": "string", "format": "date-time"},
+        "lastDecisionTime": {"type": "string", "format": "date-time",
+                             "description": "When the planner last decided."},
         "load": {"type": "object", "description": "What the last decision saw.",
                  "additionalProperties": {"type": "number"}},
     },
@@ -71,23 +75,28 @@ SCALE_SUBRESOURCE: dict[str, str] = {
 STATUS_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {
-        "observedGeneration": {"type": "integer", "format": "int64"},
-        "prefill": _ROLE_STATUS,
-        "decode": _ROLE_STATUS,
-        "proxy": _ROLE_STATUS,
+        "observedGeneration": {"type": "integer", "format": "int64",
+                               "description": "The spec generation this status describes."},
+        "prefill": {**_ROLE_STATUS, "description": "Prefill instances."},
+        "decode": {**_ROLE_STATUS, "description": "Decode instances."},
+        "proxy": {**_ROLE_STATUS, "description": "Proxy instances."},
         "endpoint": {"type": "string", "description": "In-cluster URL of the proxy."},
-        "autoscaling": _AUTOSCALING_STATUS,
+        "autoscaling": {**_AUTOSCALING_STATUS,
+                        "description": "The scaler's decision (absent when autoscaling is Off)."},
         "etcd": {
             "type": "object",
+            "description": "The etcd the DisaggServing uses, as the operator sees it.",
             "properties": {
-                "mode": {"type": "string"},
-                "endpoints": {"type": "array", "items": {"type": "string"}},
-                "healthy": {"type": "boolean"},
-                "message": {"type": "string"},
+                "mode": {"type": "string", "description": "Managed or External."},
+                "endpoints": {"type": "array", "items": {"type": "string"},
+                              "description": "Client endpoints."},
+                "healthy": {"type": "boolean", "description": "The last health check passed."},
+                "message": {"type": "string", "description": "The last health check's answer."},
             },
         },
         "conditions": {
             "type": "array",
+            "description": "Ready, Progressing, Degraded and ConfigWarning.",
             "items": _CONDITION_SCHEMA,
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],

@@ -129,7 +129,7 @@ class SecretKeyRef(_Model):
 
 
 class LocalObjectReference(_Model):
-    name: str = Field(min_length=1)
+    name: str = Field(min_length=1, description="Name of an object in the same namespace.")
 
 
 class MooncakeSpec(_Model):
@@ -246,10 +246,13 @@ class RoleSpec(_Model):
     gpus_per_node: int | None = Field(
         default=None, ge=1, le=64, description="GPUs per pod; default: TP x DP / "
         "nodesPerInstance. Given, it must equal that (a check of the sizes).")
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="Share of the GPU memory vLLM may use "
+        "(--gpu-memory-utilization); the KV cache gets what the weights leave of it.")
     resources: dict[str, Any] | None = _passthrough(
         "Container resources; default: nvidia.com/gpu = tensorParallelSize.", _K8S_OBJECT)
-    node_selector: dict[str, str] | None = Field(default=None)
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Pod nodeSelector: labels the nodes must have.")
     tolerations: list[dict[str, Any]] | None = _passthrough("Pod tolerations.", _K8S_LIST)
     affinity: dict[str, Any] | None = _passthrough("Pod affinity.", _K8S_OBJECT)
     env: list[dict[str, Any]] | None = _passthrough("Extra container env vars.", _K8S_LIST)
@@ -291,12 +294,14 @@ class RoleSpec(_Model):
 
 
 class ServiceSpec(_Model):
-    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
-    port: int = Field(default=8000, ge=1, le=65535)
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        default="ClusterIP", description="Kubernetes Service type.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port clients connect to.")
 
 
 class ProxySpec(_Model):
-    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS)
+    replicas: int = Field(default=1, ge=0, le=MAX_REPLICAS, description="Proxy instances; "
+                          "each discovers every prefill and decode instance by itself.")
     api_key_secret: SecretKeyRef | None = Field(
         default=None, description="Secret holding the API key clients must present to the "
         "proxy (Authorization: Bearer ...); default: none.")
@@ -374,7 +379,8 @@ class MooncakeMasterSpec(_Model):
         "leader elected through the DisaggServing's etcd that the clients follow. Objects "
         "the old leader knew are lost on a change of leader (the pages are recomputed).")
     port: int = Field(default=50051, ge=1, le=65535, description="RPC port.")
-    metrics_port: int = Field(default=9003, ge=1, le=65535)
+    metrics_port: int = Field(default=9003, ge=1, le=65535,
+                              description="HTTP port of the master's /metrics and /health.")
     client_ttl_seconds: int = Field(
         default=10, ge=1, description="A dead client's segment is dropped after this.")
     eviction: EvictionSpec = _obj("Store eviction.")
@@ -564,11 +570,13 @@ class AutoscalingSpec(_Model):
 
 
 class DisaggServingSpec(_Model):
-    model: ModelSpec
+    model: ModelSpec = Field(description="The model both roles serve.")
     image: str | None = Field(
         default=None, description="Serving image (vLLM + kvhelper); default: the operator's.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        default="IfNotPresent", description="Pull policy of the serving image.")
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, description="Secrets for pulling the serving image.")
     hf_token_secret: SecretKeyRef | None = Field(
         default=None, description="Secret holding a Hugging Face token (exposed as HF_TOKEN).")
     vllm_api_key_secret: SecretKeyRef | None = Field(
