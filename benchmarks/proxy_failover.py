@@ -5,10 +5,14 @@ ejection after 2 failures) runs in front of 2 prefill and 3 decode stand-ins for
 server (each its own process, named as such: prefill answers kv_transfer_params, decode streams
 `--tokens` chunks `--token-delay` apart). A load generator keeps `--concurrency` streaming
 requests in flight for `--seconds`; at `--event-at` one decode process is killed (SIGKILL) or
-frozen (SIGSTOP). Per scenario and routing policy it prints the requests sent, those that
-failed (an HTTP error, or a stream without its [DONE]), those that failed before any token
-reached the client (the ones the proxy could have saved), and the longest a client waited for
-its first token. Bounded by --seconds per scenario.
+frozen (SIGSTOP). The decode stand-ins run a deterministic stand-in model
+(disagg_devtools.stand_in_model) and stream token ids, so the proxy can continue a stream that
+breaks on another instance, and the client can check every answer against the uninterrupted
+one. Per scenario and routing policy it prints the requests sent, those that failed (an HTTP
+error, or a stream without its [DONE]), those that failed before any token reached the client,
+those whose text differs from the uninterrupted answer (wrong), and the longest a client waited
+for its first token. `--proxy-arg=--no-continue-streams` shows the proxy that ends a broken
+stream with an error event. Bounded by --seconds per scenario.
 
     .venv-serving/bin/python benchmarks/proxy_failover.py
     .venv-serving/bin/python benchmarks/proxy_failover.py --seconds 20 --event-at 8
@@ -32,13 +36,15 @@ from typing import IO
 
 import aiohttp
 from disagg_devtools.processes import exit_on_sigterm, free_port
+from disagg_devtools.stand_in_model import expected_text, next_token, prompt_ids, token_text
 
 SCENARIOS = ("kill", "freeze")
 ROUTINGS = ("round-robin", "least-outstanding")
 
 
 def serve_backend(port: int, tokens: int, token_delay: float) -> None:
-    """A stand-in for vLLM's OpenAI server (prefill answers, decode streams)."""
+    """A stand-in for vLLM's OpenAI server (prefill answers, decode streams the stand-in
+    model's tokens, with their ids when asked)."""
     from aiohttp import web
 
     async def complete(request: web.Request) -> web.StreamResponse:
@@ -48,9 +54,19 @@ def serve_backend(port: int, tokens: int, token_delay: float) -> None:
                                       "kv_transfer_params": {"do_remote_prefill": True}})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for i in range(tokens):
+        prompt = prompt_ids(body)
+        ids, count = list(prompt), int(body.get("max_tokens") or tokens)
+        for i in range(count):
             await asyncio.sleep(token_delay)
-            chunk = json.dumps({"choices": [{"index": 0, "text": f"t{i}"}]})
+            token = next_token(ids)
+            ids.append(token)
+            choice: dict[str, object] = {"index": 0, "text": token_text(token),
+                                         "finish_reason": "length" if i == count - 1 else None}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [token]
+                if i == 0:
+                    choice["prompt_token_ids"] = prompt
+            chunk = json.dumps({"id": "cmpl-1", "created": 1, "choices": [choice]})
             await response.write(f"data: {chunk}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         return response
@@ -70,6 +86,7 @@ class Outcome:
     streamed: bool  # at least one token reached the client
     first_token_wait: float
     detail: str = ""  # what the client saw when it failed
+    wrong: bool = False  # finished, with other text than the uninterrupted answer
 
 
 @dataclass
@@ -81,6 +98,10 @@ class Result:
     @property
     def failed(self) -> int:
         return sum(not o.ok for o in self.outcomes)
+
+    @property
+    def wrong(self) -> int:
+        return sum(o.wrong for o in self.outcomes)
 
     @property
     def failed_before_streaming(self) -> int:
@@ -131,14 +152,16 @@ def processes(routing: str, tokens: int, token_delay: float, proxy_args: list[st
             process.wait()
 
 
-async def one_request(session: aiohttp.ClientSession, url: str) -> Outcome:
+async def one_request(session: aiohttp.ClientSession, url: str, number: int,
+                      tokens: int) -> Outcome:
     started = time.monotonic()
     first: float | None = None
     done = False
     detail = "no [DONE]"
+    body = {"prompt": f"request {number}", "stream": True, "max_tokens": tokens}
+    text = ""
     try:
-        async with session.post(url, json={"prompt": "x", "stream": True,
-                                           "max_tokens": 8}) as response:
+        async with session.post(url, json=body) as response:
             if response.status != 200:
                 return Outcome(False, False, time.monotonic() - started,
                                f"{response.status} {(await response.read())[:300]!r}")
@@ -152,15 +175,17 @@ async def one_request(session: aiohttp.ClientSession, url: str) -> Outcome:
                 elif b'"error"' in line:
                     detail = line[:300].decode(errors="replace")
                     break
+                else:
+                    text += json.loads(line[6:])["choices"][0]["text"]
     except (aiohttp.ClientError, TimeoutError) as err:
         detail = repr(err)
     streamed = first is not None
     return Outcome(done, streamed, first if first is not None else time.monotonic() - started,
-                   "" if done else detail)
+                   "" if done else detail, wrong=done and text != expected_text(body, tokens))
 
 
 async def load(proxy_port: int, seconds: float, concurrency: int, event_at: float,
-               event: Callable[[], None]) -> list[Outcome]:
+               event: Callable[[], None], tokens: int) -> list[Outcome]:
     url = f"http://127.0.0.1:{proxy_port}/v1/completions"
     outcomes: list[Outcome] = []
     stop_at = time.monotonic() + seconds
@@ -168,7 +193,7 @@ async def load(proxy_port: int, seconds: float, concurrency: int, event_at: floa
 
     async def worker(session: aiohttp.ClientSession) -> None:
         while time.monotonic() < stop_at:
-            outcomes.append(await one_request(session, url))
+            outcomes.append(await one_request(session, url, len(outcomes), tokens))
 
     async def trigger() -> None:
         await asyncio.sleep(event_at)
@@ -188,7 +213,7 @@ def run(scenario: str, routing: str, seconds: float, event_at: float, concurrenc
         def event() -> None:
             victim.send_signal(signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
 
-        outcomes = asyncio.run(load(proxy_port, seconds, concurrency, event_at, event))
+        outcomes = asyncio.run(load(proxy_port, seconds, concurrency, event_at, event, tokens))
     return Result(scenario, routing, outcomes)
 
 
@@ -205,6 +230,9 @@ def main() -> None:
                         help="the proxy's --decode-first-byte-timeout (0: leave it out, for "
                              "a proxy that has no such flag)")
     parser.add_argument("--proxy-log", help="append the proxy's log to this file")
+    parser.add_argument("--proxy-arg", action="append", default=[],
+                        help="one more argument for the proxy, e.g. --proxy-arg=--no-continue-"
+                             "streams (repeatable)")
     parser.add_argument("--show-failures", action="store_true",
                         help="print what the client saw for each failed request")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
@@ -214,19 +242,19 @@ def main() -> None:
         serve_backend(args.serve, args.tokens, args.token_delay)
         return
     proxy_args = (["--decode-first-byte-timeout", str(args.first_byte_timeout)]
-                  if args.first_byte_timeout else [])
+                  if args.first_byte_timeout else []) + args.proxy_arg
     print(f"2 prefill, 3 decode stand-ins; concurrency {args.concurrency}; one decode "
           f"killed or frozen {args.event_at:g} s into {args.seconds:g} s; proxy "
           f"{' '.join(proxy_args) or 'defaults'}")
     print(f"{'scenario':8} {'routing':18} {'requests':>8} {'failed':>7} "
-          f"{'failed before streaming':>24} {'longest first-token wait':>25}")
+          f"{'failed before streaming':>24} {'wrong':>6} {'longest first-token wait':>25}")
     log = open(args.proxy_log, "ab") if args.proxy_log else subprocess.DEVNULL
     for scenario in SCENARIOS:
         for routing in ROUTINGS:
             result = run(scenario, routing, args.seconds, args.event_at, args.concurrency,
                          args.tokens, args.token_delay, proxy_args, log)
             print(f"{scenario:8} {routing:18} {len(result.outcomes):8} {result.failed:7} "
-                  f"{result.failed_before_streaming:24} "
+                  f"{result.failed_before_streaming:24} {result.wrong:6} "
                   f"{result.longest_first_token_wait:24.2f}s", flush=True)
             if args.show_failures:
                 for outcome in result.outcomes:

@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 from disagg_devtools.processes import free_port
+from disagg_devtools.stand_in_model import next_token, prompt_ids, token_text
 
 
 @dataclass
@@ -33,6 +34,7 @@ class FakeVLLM:
     prefill_params: dict[str, Any] | None = None
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)  # case-insensitive mappings
+    streamed_ids: list[list[int]] = field(default_factory=list)  # return_token_ids streams
     connections: list[Any] = field(default_factory=list)  # per answered request: client address
     dropped: int = 0
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
@@ -124,6 +126,8 @@ class FakeVLLM:
                              "finish_reason": "length"}]})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if body.get("return_token_ids"):
+            return await self._stream_tokens(request, response, body)
         try:
             for i in range(self.tokens):
                 if self.die_after_tokens is not None and i == self.die_after_tokens:
@@ -139,3 +143,49 @@ class FakeVLLM:
             self.aborted.set()  # what vLLM does on a client disconnect: abort the request
             raise
         return response
+
+    async def _stream_tokens(self, request: web.Request, response: web.StreamResponse,
+                             body: dict[str, Any]) -> web.StreamResponse:
+        """`return_token_ids`: the deterministic stand-in model (disagg_devtools.stand_in_model),
+        so a stream continued from prompt plus generated ids on another instance gives what
+        this one would have given."""
+        try:
+            return await self._write_tokens(request, response, body)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.aborted.set()
+            raise
+
+    async def _write_tokens(self, request: web.Request, response: web.StreamResponse,
+                            body: dict[str, Any]) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        prompt = prompt_ids(body)
+        count = int(body.get("max_completion_tokens") or body.get("max_tokens") or self.tokens)
+        ids = list(prompt)
+        self.streamed_ids.append(ids)
+        for i in range(count):
+            if self.die_after_tokens is not None and i == self.die_after_tokens:
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            token = next_token(ids)
+            ids.append(token)
+            finish = "length" if i == count - 1 else None
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": [token]}
+            if chat:
+                choice["delta"] = {"content": token_text(token), **({"role": "assistant"} if i == 0
+                                                               else {})}
+                chunk = {"id": f"chatcmpl-{self.name}", "object": "chat.completion.chunk",
+                         "created": 1, "model": "tiny", "choices": [choice],
+                         **({"prompt_token_ids": prompt} if i == 0 else {})}
+            else:
+                choice["text"] = token_text(token)
+                if i == 0:
+                    choice["prompt_token_ids"] = prompt
+                chunk = {"id": f"cmpl-{self.name}", "object": "text_completion", "created": 1,
+                         "model": "tiny", "choices": [choice]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(self.token_delay)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+

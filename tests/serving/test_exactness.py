@@ -270,3 +270,150 @@ def _corrupt_when_stored(master: str, metadata_server: str, key: str) -> None:
             assert time.monotonic() < deadline, f"{key} never stored"
             time.sleep(0.1)
     corrupt_values(master, [key], metadata_server)
+
+
+CUT_AFTER_EVENTS = 4  # tokens a client has when the decode serving its stream fails
+
+
+class StreamCutter:
+    """An HTTP relay in front of a decode instance that drops every streamed answer after
+    `CUT_AFTER_EVENTS` events: to the proxy, the instance died mid-stream (the instance
+    itself, shared by the other tests, keeps running)."""
+
+    def __init__(self, target: str) -> None:
+        self.target, self.port, self.cut = target, free_port(), 0
+        self._runner: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> StreamCutter:
+        from aiohttp import web
+
+        self._session = aiohttp.ClientSession()
+        app = web.Application()
+        app.router.add_route("*", "/{path:.*}", self._relay)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+
+    async def _relay(self, request: Any) -> Any:
+        from aiohttp import web
+
+        async with self._session.request(request.method, f"{self.target}{request.path_qs}",
+                                         data=await request.read(),
+                                         headers={"Content-Type": "application/json"}
+                                         ) as upstream:
+            if "text/event-stream" not in upstream.headers.get("Content-Type", ""):
+                return web.Response(body=await upstream.read(), status=upstream.status,
+                                    content_type=upstream.content_type)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            events = 0
+            async for line in upstream.content:
+                await response.write(line)
+                events += line == b"\n"
+                if events == CUT_AFTER_EVENTS:
+                    self.cut += 1
+                    assert request.transport is not None
+                    request.transport.close()  # the instance "dies" mid-stream
+                    return response
+            return response
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, model: str,
+                  text: str) -> tuple[list[int], list[float], list[list[list[float]]]]:
+    """A streamed greedy answer: its token ids, their logprobs, and its top two per step."""
+    body = {"model": model, "prompt": text, "max_tokens": MAX_TOKENS + 4, "temperature": 0,
+            "stream": True, "logprobs": 2, "return_tokens_as_token_ids": True,
+            "return_token_ids": True}
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    tops: list[list[list[float]]] = []
+    async with session.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            choice = chunk["choices"][0]
+            tokens += choice.get("token_ids") or []
+            found = choice.get("logprobs") or {}
+            logprobs += found.get("token_logprobs") or []
+            for top in found.get("top_logprobs") or []:
+                tops.append(sorted(([float(k.split(":")[1]), v] for k, v in top.items()),
+                                   key=lambda pair: -pair[1]))
+    return tokens, logprobs, tops
+
+
+async def _proxy_with_a_dying_decode(stack: Stack, cutter: StreamCutter) -> Any:
+    """The proxy (in this process) in front of the stack's instances, the decode reached first
+    through the cutter."""
+    from aiohttp import web
+    from kvhelper.discovery import StaticDiscovery
+    from kvhelper.proxy.app import Proxy, ProxyConfig
+
+    proxy = Proxy(ProxyConfig(health_interval=60.0),
+                  StaticDiscovery(stack.urls("prefill"), [cutter.url, stack.urls("decode")[0]]))
+    runner = web.AppRunner(proxy.app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_a_stream_continued_after_its_decode_failed_equals_an_uninterrupted_one(
+        stack, monkeypatch) -> None:
+    """The decode instance streaming an answer fails after 4 tokens reached the client; the
+    proxy continues the stream on another decode instance from the prompt's and the tokens'
+    ids. The client's whole answer must equal the uninterrupted one by the exactness criterion
+    (greedy tokens, float32 logprobs within TOLERANCE). The negative control continues from one
+    token too few: the criterion must see it."""
+    from kvhelper.proxy.continuation import StreamRecord
+
+    talk = Conversations(random.randrange(1 << 31))
+    texts = [talk.prompt(c, None) for c in range(3)]
+
+    async def continued(text: str) -> tuple[list[int], list[float], int]:
+        async with StreamCutter(stack.urls("decode")[0]) as cutter, \
+                aiohttp.ClientSession() as session:
+            runner, url = await _proxy_with_a_dying_decode(stack, cutter)
+            try:
+                tokens, logprobs, _ = await _stream(session, url, stack.served, text)
+            finally:
+                await runner.cleanup()
+            return tokens, logprobs, cutter.cut
+
+    async def run(negative: bool) -> list[Gap]:
+        gaps = []
+        async with aiohttp.ClientSession() as session:
+            for i, text in enumerate(texts[:1] if negative else texts):
+                whole_tokens, _, reference = await _stream(session, stack.url, stack.served,
+                                                           text)
+                tokens, logprobs, cut = await continued(text)
+                assert cut == 1, "the stream was not cut"
+                assert len(tokens) == len(whole_tokens) == MAX_TOKENS + 4
+                gaps.append(compare(i, tokens, logprobs, reference))
+        return gaps
+
+    gaps = asyncio.run(run(negative=False))
+    print(f"{stack.kind} {stack.implementation}: continued streams: {summary(gaps)}")
+    assert all(g.exact for g in gaps), gaps
+
+    real = StreamRecord.continuation
+
+    def one_token_short(self: StreamRecord, max_model_len: int | None) -> Any:
+        self.generated.pop()
+        return real(self, max_model_len)
+
+    monkeypatch.setattr(StreamRecord, "continuation", one_token_short)
+    (broken,) = asyncio.run(run(negative=True))
+    print(f"{stack.kind} {stack.implementation}: continued one token short: {broken}")
+    assert not broken.exact, broken

@@ -103,7 +103,7 @@ async def test_decode_dying_mid_stream_ends_the_stream_with_an_error(backends, s
     status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x", "stream": True})
     assert status == 200  # the headers were sent before decode died
     events = [line.removeprefix("data: ") for line in raw.decode().split("\n\n") if line]
-    assert "t1" in events[1] and "[DONE]" not in events
+    assert len(events) == 3 and "[DONE]" not in events  # two tokens, then the error
     assert json.loads(events[-1])["error"]["code"] == 502  # the stream's last event
     # The dropped stream ejected the only decode instance: nothing is left to serve.
     status, _, raw = await post(f"{proxy}/v1/completions", {"prompt": "x"})
@@ -111,6 +111,86 @@ async def test_decode_dying_mid_stream_ends_the_stream_with_an_error(backends, s
     fresh = await start_proxy([prefill.url], [decode.url])
     status, _, raw = await post(f"{fresh}/v1/completions", {"prompt": "x"})
     assert status == 502 and "decode instance" in json.loads(raw)["error"]["message"]
+
+
+def _events(raw: bytes) -> list[str]:
+    return [line.removeprefix("data: ") for line in raw.decode().split("\n\n") if line]
+
+
+def _streamed_text(events: list[str], chat: bool) -> str:
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    return "".join((c["choices"][0]["delta"].get("content") or "") if chat
+                   else c["choices"][0]["text"] for c in chunks if c.get("choices"))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_a_stream_whose_decode_dies_goes_on_elsewhere_with_the_same_tokens(
+        backends, start_proxy, chat):
+    """The decode instance serving a stream dies after 3 of 8 tokens reached the client. The
+    proxy continues it on another decode instance from the prompt's and the tokens' ids: the
+    client gets one stream, the same text an uninterrupted one gives, and no token ids it did
+    not ask for."""
+    from disagg_devtools.stand_in_model import expected_text, prompt_ids
+
+    prefill = await backends("p0")
+    dying, healthy = await backends("d0", die_after_tokens=3), await backends("d1")
+    proxy = await start_proxy([prefill.url], [dying.url, healthy.url])
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body: dict[str, Any] = {"model": "tiny", "stream": True, "temperature": 0,
+                            **({"messages": [{"role": "user", "content": "hi there"}],
+                                "max_completion_tokens": 8} if chat
+                               else {"prompt": "hi there", "max_tokens": 8})}
+    status, _, raw = await post(f"{proxy}{path}", body)
+    assert status == 200
+    events = _events(raw)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    assert not any("error" in json.loads(e) for e in events[:-1]), events
+    assert _streamed_text(events, chat) == expected_text(body, 8)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {f"{'chatcmpl' if chat else 'cmpl'}-d0"}
+    assert all("token_ids" not in c["choices"][0] and "prompt_token_ids" not in c
+               for c in chunks)
+    (continuation,) = healthy.requests  # the prompt's ids and the 3 tokens streamed
+    assert continuation["prompt"] == dying.streamed_ids[0]
+    assert len(continuation["prompt"]) == len(prompt_ids(body)) + 3
+    assert continuation["max_tokens"] == 5 and "kv_transfer_params" not in continuation
+    async with aiohttp.ClientSession() as session, session.get(f"{proxy}/metrics") as answer:
+        page = await answer.read()
+    assert b'disagg_proxy_stream_continuations_total{result="continued"} 1.0' in page
+
+
+async def test_a_stream_is_not_continued_where_its_rest_cannot_be_reproduced(
+        backends, start_proxy):
+    """Stop strings (vLLM holds back text that may start one), continuation turned off, or no
+    instance left: the stream ends with an error event, as before."""
+    prefill = await backends("p0")
+    dying, healthy = await backends("d0", die_after_tokens=2), await backends("d1")
+    proxy = await start_proxy([prefill.url], [dying.url, healthy.url])
+    body = {"prompt": "x", "stream": True, "max_tokens": 6, "stop": ["."]}
+    _, _, raw = await post(f"{proxy}/v1/completions", body)
+    assert json.loads(_events(raw)[-1])["error"]["code"] == 502 and healthy.requests == []
+    off = await start_proxy([prefill.url], [dying.url, healthy.url], continue_streams=False)
+    _, _, raw = await post(f"{off}/v1/completions", {**body, "stop": None})
+    assert json.loads(_events(raw)[-1])["error"]["code"] == 502 and healthy.requests == []
+    both_die = await backends("d2", die_after_tokens=1)
+    alone = await start_proxy([prefill.url], [dying.url, both_die.url])
+    _, _, raw = await post(f"{alone}/v1/completions", {**body, "stop": None})
+    events = _events(raw)
+    assert json.loads(events[-1])["error"]["code"] == 502 and "[DONE]" not in events
+
+
+async def test_token_ids_a_client_asks_for_reach_it_through_a_continuation(
+        backends, start_proxy):
+    prefill = await backends("p0")
+    dying, healthy = await backends("d0", die_after_tokens=2), await backends("d1")
+    proxy = await start_proxy([prefill.url], [dying.url, healthy.url])
+    body = {"prompt": "abc", "stream": True, "max_tokens": 5, "return_token_ids": True}
+    _, _, raw = await post(f"{proxy}/v1/completions", body)
+    chunks = [json.loads(e) for e in _events(raw) if e != "[DONE]"]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [ord(c) for c in "abc"]
+    ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+    assert ids == dying.streamed_ids[0][3:5] + healthy.streamed_ids[0][5:]
+    assert len(ids) == 5
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])

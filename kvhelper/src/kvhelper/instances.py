@@ -22,6 +22,9 @@ class Instance:
     url: str  # the OpenAI server's base URL, e.g. http://10.0.0.7:8000
     model: str
     fingerprint: str = ""  # KV compatibility; the proxy pairs only equal fingerprints
+    # Written just before the registration is deleted on purpose (drain, SIGTERM, unhealthy),
+    # so that readers tell a withdrawal from a lease that expired (kvhelper.discovery).
+    withdrawing: bool = False
 
     def key(self, prefix: str) -> str:
         return f"{prefix}{self.role}/{self.id}"
@@ -36,7 +39,8 @@ class Instance:
             raise ValueError(f"unknown role {data.get('role')!r}")
         return cls(id=str(data["id"]), role=data["role"], url=str(data["url"]).rstrip("/"),
                    model=str(data.get("model", "")),
-                   fingerprint=str(data.get("fingerprint", "")))
+                   fingerprint=str(data.get("fingerprint", "")),
+                   withdrawing=bool(data.get("withdrawing", False)))
 
 
 def split_endpoints(value: str) -> list[tuple[str, int]]:

@@ -34,9 +34,11 @@ async def registered_fingerprints(endpoints: list[tuple[str, int]], prefix: str,
                 fingerprints = []
                 for kv in found:
                     try:
-                        fingerprints.append(Instance.from_json(kv.value).fingerprint)
+                        peer = Instance.from_json(kv.value)
                     except (ValueError, KeyError):
                         continue  # a malformed registration is nobody's peer
+                    if not peer.withdrawing:  # leaving: no new pod may count on it
+                        fingerprints.append(peer.fingerprint)
                 return fingerprints
         except Exception as err:  # grpc/aetcd raise many types; all mean "try the next"
             last = err

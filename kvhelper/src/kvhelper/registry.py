@@ -1,8 +1,9 @@
 """The registrar: runs beside one vLLM server and keeps its etcd registration in step with its
 health. It registers once `/health` answers 200, under a lease it keeps alive; it withdraws the
 registration after `--unhealthy-after` failed checks (or `--late-grace` seconds of checks answered
-late: busy is not down) and on SIGTERM. A crashed pod stops renewing
-and its key expires with the lease TTL, so the proxy drops it without anyone cleaning up.
+late: busy is not down) and on SIGTERM, marking it as withdrawing before deleting it. A crashed
+pod stops renewing and its key expires with the lease TTL; the proxy keeps such an instance only
+while it answers its health checks (kvhelper.discovery), so nobody needs to clean up.
 
     python -m kvhelper.registry --role prefill --url http://10.0.0.7:8000 \\
         --health-url http://127.0.0.1:8000/health --model M --etcd etcd:2379 \\
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -93,6 +95,10 @@ class Registrar:
         if lease is None:
             return
         try:
+            # Marked first, so that the proxy drops it at once: a registration that just
+            # disappears may be a lease that expired while etcd stalled.
+            marked = dataclasses.replace(self.config.instance, withdrawing=True)
+            await (await self._etcd()).put(self.key, marked.to_json(), lease=lease)
             await lease.revoke()  # deletes the key with it
             log.info("withdrew %s", self.key.decode())
         except Exception as err:  # etcd gone: the lease expires on its own

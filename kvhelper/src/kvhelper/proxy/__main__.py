@@ -71,11 +71,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--health-interval", type=float, default=_env("health-interval", 5.0))
     add("--health-timeout", type=float, default=_env("health-timeout", 2.0),
         help="one health check's limit; shorter than --health-interval")
+    add("--lapse-grace", type=float, default=_env("lapse-grace", 30.0),
+        help="seconds an instance whose registration expired without a withdrawal (etcd "
+             "stalled, or its registrar died) stays routed while it passes health checks")
     add("--eject-after", type=int, default=_env("eject-after", 2),
         help="failed health checks, or failed requests, in a row that eject an instance")
     add("--upstream-keepalive", type=float, default=_env("upstream-keepalive", 2.0),
         help="seconds an idle connection to an instance is kept for reuse; shorter than the "
              "instances' own keep-alive timeout (vLLM's: 5 s)")
+    add("--continue-streams", action=argparse.BooleanOptionalAction,
+        default=_env("continue-streams", "true").lower() == "true",
+        help="continue a stream on another decode instance when its own fails after the "
+             "client got tokens (from the tokens' ids); off: end it with an error event")
     add("--store-routing", action=argparse.BooleanOptionalAction,
         default=_env("store-routing", "false").lower() == "true",
         help="route on what the Mooncake store holds, skipping prefill for stored prompts")
@@ -128,6 +135,7 @@ def config(args: argparse.Namespace) -> ProxyConfig:
                        max_concurrency=args.max_concurrency,
                        health_interval=args.health_interval, health_timeout=args.health_timeout,
                        eject_after=args.eject_after, upstream_keepalive=args.upstream_keepalive,
+                       continue_streams=args.continue_streams,
                        # Keys come only from the environment (a Secret), never from flags.
                        api_key=os.environ.get("DISAGG_PROXY_API_KEY") or None,
                        backend_api_key=os.environ.get("DISAGG_PROXY_BACKEND_API_KEY") or None)
@@ -135,7 +143,8 @@ def config(args: argparse.Namespace) -> ProxyConfig:
 
 def build(args: argparse.Namespace) -> Proxy:
     discovery: StaticDiscovery | EtcdDiscovery = (
-        EtcdDiscovery(args.etcd_endpoints, args.prefix, tls=EtcdTls.from_env()) if args.etcd
+        EtcdDiscovery(args.etcd_endpoints, args.prefix, tls=EtcdTls.from_env(),
+                      lapse_grace=args.lapse_grace) if args.etcd
         else StaticDiscovery(args.prefill, args.decode))
     proxy = Proxy(args.config, discovery)
     if args.store_routing:

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 
 from kvhelper.discovery import EtcdDiscovery, StaticDiscovery
 from kvhelper.instances import Role
+from kvhelper.proxy.continuation import StreamRecord, split_events, why_not_continued
 from kvhelper.proxy.pool import Backend, Pool, Routing
 from kvhelper.proxy.store_routing import Prompt, Route, StoreRouter
 from kvhelper.transfer_params import REMOTE_DECODE, STORED_HINT_KEY
@@ -73,6 +74,9 @@ class ProxyConfig:
     # An idle connection to an instance is given up after this long, before the instance's own
     # keep-alive timeout closes it (vLLM's: 5 s), so a request never goes out on one it closed.
     upstream_keepalive: float = 2.0
+    # A stream whose decode instance fails after the client got tokens goes on on another
+    # instance from the tokens' ids (kvhelper.proxy.continuation); off: it ends with an error.
+    continue_streams: bool = True
     # Clients must present this key (Authorization: Bearer ...); from a Secret, never a flag.
     api_key: str | None = field(default=None, repr=False)
     # The key the vLLM instances were started with (--api-key); without one, the client's own
@@ -195,6 +199,12 @@ class Metrics:
             "pair with a healthy decode (no_compatible_prefill), or the KV's decode instances "
             "were gone after prefill (no_compatible_decode), e.g. during a rollout.",
             ["reason"], registry=self.registry)
+        self.continuations = Counter(
+            "disagg_proxy_stream_continuations_total",
+            "Streams whose decode instance failed after the client got tokens, by result: "
+            "continued (on another instance, to the end), failed (no instance could), "
+            "not_continuable (see kvhelper.proxy.continuation).", ["result"],
+            registry=self.registry)
         self._finished: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     def routed(self, route: Route) -> None:
@@ -579,6 +589,9 @@ class Proxy:
         both are AttemptFailed, since nothing reached the client yet."""
         started = time.perf_counter()
         streaming = bool(body.get("stream"))
+        record = self._stream_record(request.path, body)
+        if record is not None:  # the tokens' ids, to continue the stream elsewhere if need be
+            body = {**body, "return_token_ids": True}
         backend.outstanding += 1
         upstream: aiohttp.ClientResponse | None = None
         finished = False
@@ -623,18 +636,27 @@ class Proxy:
                     if chunk:
                         self.metrics.time_to_first_token.observe(
                             time.perf_counter() - request[STARTED_KEY])
+                    pending = bytearray()
                     while chunk:
-                        await response.write(chunk)
+                        if record is None:
+                            await response.write(chunk)
+                        else:  # whole events only: a broken one is never half sent
+                            pending += chunk
+                            for event in split_events(pending):
+                                await response.write(record.relay(event))
                         chunk = await upstream.content.readany()
                 finished = True
             except (TimeoutError, aiohttp.ClientError) as err:
-                # Bytes reached the client: no retry. End the stream with an error event of
-                # the status the same failure gets before the headers.
+                # Bytes reached the client: no retry of the request. The stream goes on on
+                # another instance where its tokens allow; else it ends with an error event
+                # of the status the same failure gets before the headers.
                 error = self._decode_broke(backend, err)
-                event = {"error": {"message": error.message, "type": error.kind,
-                                   "code": error.status}}
-                with contextlib.suppress(ConnectionError):
-                    await response.write(b"data: " + _encode_json(event) + b"\n\n")
+                if record is None or not await self._continue(response, record, backend,
+                                                              upstream_headers):
+                    failure = {"error": {"message": error.message, "type": error.kind,
+                                         "code": error.status}}
+                    with contextlib.suppress(ConnectionError):
+                        await response.write(b"data: " + _encode_json(failure) + b"\n\n")
             with contextlib.suppress(ConnectionError):
                 await response.write_eof()
             return response
@@ -642,6 +664,89 @@ class Proxy:
             backend.outstanding -= 1
             if upstream is not None:  # an unfinished answer closes the connection: vLLM aborts
                 upstream.release() if finished else upstream.close()
+
+    def _stream_record(self, path: str, body: dict[str, Any]) -> StreamRecord | None:
+        """A record of the stream, where it could be continued after a failure."""
+        chat = path.endswith("/chat/completions")
+        if not self.config.continue_streams or why_not_continued(chat, body) is not None:
+            return None
+        return StreamRecord(chat, body, client_wants_ids=bool(body.get("return_token_ids")))
+
+    async def _continue(self, response: web.StreamResponse, record: StreamRecord,
+                        failed: Backend, upstream_headers: dict[str, str]) -> bool:
+        """Go on with a broken stream on other decode instances (of its fingerprint first),
+        `decode_attempts` at most; False when none could take it to its end."""
+        request_id = upstream_headers[REQUEST_ID]
+        if record.finished:  # it broke after its last token: only the [DONE] was missing
+            await response.write(b"data: [DONE]\n\n")
+            return True
+        tried = [failed]
+        for _attempt in range(self.config.decode_attempts):
+            fingerprint = failed.instance.fingerprint
+            backend = (self.pool.pick("decode", fingerprint, exclude=tried)
+                       or self.pool.pick("decode", exclude=tried))
+            if backend is None:
+                break
+            tried.append(backend)
+            body = record.continuation(await self._max_model_len(backend, upstream_headers)
+                                       if record.chat else None)
+            if isinstance(body, str):
+                log.info("[%s] the stream is not continued: %s", request_id, body)
+                self.metrics.continuations.labels("not_continuable").inc()
+                return False
+            log.warning("[%s] continuing the stream on %s after %d tokens", request_id,
+                        backend.url, len(record.generated))
+            if await self._continue_on(response, record, backend, body, upstream_headers):
+                record.continued += 1
+                self.metrics.continuations.labels("continued").inc()
+                return True
+        self.metrics.continuations.labels("failed").inc()
+        return False
+
+    async def _continue_on(self, response: web.StreamResponse, record: StreamRecord,
+                           backend: Backend, body: dict[str, Any],
+                           upstream_headers: dict[str, str]) -> bool:
+        """One continuation attempt: True once the stream reached its end."""
+        backend.outstanding += 1
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            async with backend.deadline(self.config.decode_first_byte_timeout):
+                upstream = await self._post("decode", f"{backend.url}/v1/completions",
+                                            _encode_json(body), upstream_headers,
+                                            self._decode_timeout)
+                if upstream.status != 200:
+                    self._decode_refused(backend, upstream.status, await upstream.read())
+                    return False
+                chunk = await upstream.content.readany()
+            pending = bytearray()
+            async with backend.deadline(None):
+                while chunk:
+                    pending += chunk
+                    for event in split_events(pending):
+                        if (out := record.relay_continuation(event)) is not None:
+                            await response.write(out)
+                    chunk = await upstream.content.readany()
+            self.pool.request_succeeded(backend)
+            return record.finished
+        except (TimeoutError, aiohttp.ClientError) as err:
+            self._decode_broke(backend, err)
+            return False
+        finally:
+            backend.outstanding -= 1
+            if upstream is not None:
+                upstream.close()
+
+    async def _max_model_len(self, backend: Backend, headers: dict[str, str]) -> int | None:
+        """The instance's context length (vLLM's /v1/models), for a chat stream asked to run
+        until the context ends."""
+        try:
+            async with self.session.get(f"{backend.url}/v1/models", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(total=5)) as answer:
+                models = (await answer.json()).get("data") or []
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+        lengths = [m.get("max_model_len") for m in models if isinstance(m, dict)]
+        return next((int(n) for n in lengths if isinstance(n, int)), None)
 
     def _decode_refused(self, backend: Backend, status: int, raw: bytes) -> Exception:
         self.metrics.upstream_errors.labels("decode", str(status)).inc()
