@@ -4,7 +4,6 @@ the full log written; and its checks catch a gather or scatter that misses bytes
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from disagg_devtools.benchmark_scripts import load_benchmark
 
 from .conftest import in_private_network
 
@@ -21,12 +21,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kv_check.py"
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_kv_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_kv_check"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_kv_check")
 
 
 def test_the_gpu_check_runs_on_the_cpu(tmp_path) -> None:

@@ -445,11 +445,6 @@ def planner_scrape(served: Served) -> Scrape:
 
 
 def _load_benchmark(name: str) -> Any:
-    import importlib.util
+    from disagg_devtools.benchmark_scripts import load_benchmark
 
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark(name)

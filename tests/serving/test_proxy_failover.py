@@ -7,24 +7,16 @@ turns continuation off, and then started streams fail."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
+from disagg_devtools.benchmark_scripts import load_benchmark
 
 FIRST_BYTE_LIMIT = 1.0
 
 
 def benchmark() -> ModuleType:
-    path = Path(__file__).parents[2] / "benchmarks" / "proxy_failover.py"
-    spec = importlib.util.spec_from_file_location("proxy_failover", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look themselves up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("proxy_failover")
 
 
 @pytest.mark.parametrize("scenario", ["kill", "freeze"])

@@ -6,8 +6,8 @@ fail and no output may be wrong: each equals a single instance's tokens at the o
 new block size. The negative control rolls back with the Recreate strategy (old instances
 drained before new ones start): the same stream then sees failed requests.
 
-The stream is one request at a time, as in test_master_ha: vLLM's CPU MLA path is not
-batch-invariant for the tiny random model, so only unbatched outputs compare token for token."""
+The stream is one request at a time: in bfloat16 vLLM's CPU MLA path is not batch-invariant
+for the tiny random model, so only unbatched outputs compare token for token."""
 
 from __future__ import annotations
 

@@ -106,6 +106,7 @@ class LocalDeployment:
     extra_env: dict[str, str] = field(default_factory=dict)
     echo: Echo = print
     started: list[Started] = field(default_factory=list)
+    etcd: EtcdProcess | None = None  # the managed etcd, when this deployment runs one
 
     async def up(self, timeout: float = 600.0) -> str:
         """Start everything and wait until the proxy routes to every instance; returns its URL.
@@ -133,7 +134,7 @@ class LocalDeployment:
         if self.spec.etcd.mode != "Managed":
             return tuple(self.spec.etcd.endpoints)
         self.echo("starting etcd")
-        etcd = await EtcdProcess(self.folder.root / "etcd").start()
+        etcd = self.etcd = await EtcdProcess(self.folder.root / "etcd").start()
         assert etcd.process is not None
         _record(self.folder, state, "etcd", etcd.process.pid)
         self.echo(f"  etcd ready at {etcd.endpoint}")
@@ -241,6 +242,18 @@ class LocalDeployment:
         state = self.folder.read_state()
         self._start(item.spec, env, state)
         await self._wait_ready(deadline=time.monotonic() + timeout)
+
+    async def restart_etcd(self) -> None:
+        """Stop the managed etcd (whatever state it is in) and start it again on the same ports
+        and data, as its StatefulSet's pod would restart."""
+        assert self.etcd is not None and self.etcd.process is not None, "no managed etcd"
+        _signal_group(self.etcd.process.pid, signal.SIGCONT)
+        self.etcd.stop()
+        await _wait_port_free(self.etcd.client_port, time.monotonic() + 30)
+        await self.etcd.start()
+        assert self.etcd.process is not None
+        state = self.folder.read_state()
+        _record(self.folder, state, "etcd", self.etcd.process.pid)
 
     async def drain(self, instance: str) -> str:
         """Take one vLLM instance away as Kubernetes does with a pod: see drain_recorded."""
