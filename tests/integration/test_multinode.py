@@ -11,6 +11,28 @@ from disagg_operator.spec import PLURAL
 
 from .conftest import Api, example
 
+# The LeaderWorkerSet status as its CRD declares it: conditions are metav1.Conditions, whose
+# every field is required (what the stand-in controller first wrote was refused by it).
+LWS_STATUS: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "replicas": {"type": "integer", "format": "int32"},
+        "readyReplicas": {"type": "integer", "format": "int32"},
+        "updatedReplicas": {"type": "integer", "format": "int32"},
+        "hpaPodSelector": {"type": "string"},
+        "conditions": {"type": "array", "items": {
+            "type": "object",
+            "required": ["lastTransitionTime", "message", "reason", "status", "type"],
+            "properties": {
+                "type": {"type": "string", "maxLength": 316},
+                "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+                "reason": {"type": "string", "minLength": 1, "maxLength": 1024},
+                "message": {"type": "string", "maxLength": 32768},
+                "lastTransitionTime": {"type": "string", "format": "date-time"},
+                "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0}}}},
+    },
+}
+
 LWS_CRD: dict[str, Any] = {
     "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
     "metadata": {"name": "leaderworkersets.leaderworkerset.x-k8s.io"},
@@ -23,7 +45,13 @@ LWS_CRD: dict[str, Any] = {
                                "statusReplicasPath": ".status.replicas"}},
                            "schema": {"openAPIV3Schema": {
                                "type": "object",
-                               "x-kubernetes-preserve-unknown-fields": True}}}]},
+                               "properties": {
+                                   "apiVersion": {"type": "string"},
+                                   "kind": {"type": "string"},
+                                   "metadata": {"type": "object"},
+                                   "spec": {"type": "object",
+                                            "x-kubernetes-preserve-unknown-fields": True},
+                                   "status": LWS_STATUS}}}}]},
 }
 
 

@@ -660,16 +660,26 @@ class ClusterEmulator(KmockEmulator):
                  "reason": "MinimumReplicasAvailable"},
                 {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]
         elif plural == "leaderworkersets":
-            # Its controller reports no observedGeneration, and groups rather than pods.
+            # Its controller reports no observedGeneration, and groups rather than pods; its
+            # conditions are metav1.Conditions, every field required by its CRD.
             del status["observedGeneration"], status["availableReplicas"]
-            status["conditions"] = [
-                {"type": "Available", "status": "True" if count >= replicas else "False",
-                 "reason": "AllGroupsReady"}]
+            available = count >= replicas
+            before = {c.get("type"): c for c in (obj.get("status") or {}).get("conditions") or []}
+            kept = before.get("Available") or {}
+            status["conditions"] = [{
+                "type": "Available", "status": "True" if available else "False",
+                "reason": "AllGroupsReady" if available else "GroupsNotReady",
+                "message": f"{count} of {replicas} groups ready",
+                "lastTransitionTime": (kept["lastTransitionTime"] if kept.get("status") ==
+                                       ("True" if available else "False") else _now())}]
         else:
             revision = f"{obj['metadata']['name']}-{obj['metadata'].get('generation', 1)}"
             status.update(currentReplicas=replicas, currentRevision=revision,
                           updateRevision=revision)
         if (obj.get("status") or {}) != status:
+            # What a real controller writes goes through the API server's validation too: a
+            # stand-in that wrote what the CRD rejects would hide what a cluster does.
+            self._admit(res, {**obj, "status": status})
             await self._publish(key, {"status": status})
 
     async def set_workload_status(self, plural: str, namespace: str, name: str,
