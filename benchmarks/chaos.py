@@ -42,7 +42,7 @@ import aiohttp
 from disagg_devtools.exactness import Conversations, compare
 from disagg_devtools.local.cli import load as load_spec
 from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
-from disagg_devtools.processes import free_port
+from disagg_devtools.processes import exit_on_sigterm, free_port
 from disagg_devtools.tiny_models import make_mla
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,6 +224,8 @@ class Chaos:
         self.deployment, self.name, self.proxies, self.rng = deployment, name, proxies, rng
         self.args = args
         self.expected_instances = 4  # 2 prefill, 2 decode
+        self.faults: list[Fault] = []
+        self.busy = False  # a fault is under way: the load goes on until it has recovered
 
     def processes(self, component: str) -> list[str]:
         role = {"master": "mooncake-master", "store": "store"}.get(component, component)
@@ -234,6 +236,8 @@ class Chaos:
                 and not n.endswith("-registrar")]
 
     async def inject(self, component: str, action: str) -> Fault:
+        """Hit one process of `component`, bring it back as the kubelet would, and wait until
+        the deployment is whole again."""
         if component == "etcd":
             assert self.deployment.etcd is not None and self.deployment.etcd.process is not None
             target, pid = "etcd", self.deployment.etcd.process.pid
@@ -244,6 +248,7 @@ class Chaos:
             target = self.rng.choice(choices)
             pid = self.deployment.find(target).process.pid
         fault = Fault(component, action, target, time.monotonic())
+        self.faults.append(fault)  # listed from the start: the run may end before recovery
         print(f"  {time.strftime('%H:%M:%S')} {action} {target}", flush=True)
         signal_group(pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
         if action == "stop":
@@ -301,8 +306,16 @@ async def soak(deployment: LocalDeployment, name: str, proxies: list[str],
     stop_at = time.monotonic() + args.seconds
     counter = iter(range(10**9))
 
+    report.faults = chaos.faults
+    hard_stop = stop_at + 300  # a fault under way at the end is given this long to recover
+
+    def going_on() -> bool:
+        now = time.monotonic()
+        return (now < stop_at or (chaos.busy and now < hard_stop)) \
+            and len(report.outcomes) < args.max_requests
+
     async def client(session: aiohttp.ClientSession) -> None:
-        while time.monotonic() < stop_at and len(report.outcomes) < args.max_requests:
+        while going_on():
             n = next(counter)
             started = time.monotonic()
             tokens, logprobs, phase, detail = await ask(session, proxies, n, name,
@@ -310,7 +323,8 @@ async def soak(deployment: LocalDeployment, name: str, proxies: list[str],
             outcome = Outcome(started, time.monotonic(), not phase, phase, detail=detail)
             if outcome.ok:
                 gap = compare(n % len(prompts), tokens, logprobs, top[n % len(prompts)])
-                outcome.wrong = not gap.exact or len(tokens) != MAX_TOKENS
+                # (an answer may end before MAX_TOKENS: the plain instance's ended there too)
+                outcome.wrong = not gap.exact or len(tokens) != len(top[n % len(prompts)])
                 if outcome.wrong:
                     outcome.detail = f"{gap}"
                     print(f"    WRONG: prompt {n % len(prompts)}: {gap}", flush=True)
@@ -331,7 +345,11 @@ async def soak(deployment: LocalDeployment, name: str, proxies: list[str],
                 return
             else:
                 component, action = step
-            report.faults.append(await chaos.inject(component, action))
+            chaos.busy = True
+            try:
+                await chaos.inject(component, action)
+            finally:
+                chaos.busy = False
 
     async with aiohttp.ClientSession() as session:
         load = [asyncio.create_task(client(session)) for _ in range(args.clients)]
@@ -388,6 +406,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
+    exit_on_sigterm()  # stopped with kill: still stop what it started
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
     print(f"chaos soak: seed {args.seed}, {args.seconds:g} s, a fault every "
