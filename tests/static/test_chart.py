@@ -13,6 +13,7 @@ import disagg_operator
 import yaml
 from disagg_devtools.emulator.helm import CHART, HELM_ACTION, helm_install
 from disagg_devtools.emulator.sandbox import Sandbox
+from disagg_operator.child_kinds import CHILD_KINDS, CHILD_VERBS
 from disagg_operator.crd import render_crd_yaml
 
 from .conftest import ROOT, run, stored
@@ -71,7 +72,10 @@ async def test_helm_install_cluster_wide(cluster: Sandbox, tools: Path) -> None:
     assert ("", "secrets", "get") not in granted  # the operator never reads Secrets
     # Pods are only listed (for their container states), never read one by one or changed.
     assert {v for g, res, v in granted if res == "pods"} == {"list"}
-    assert ("apps", "deployments", "patch") in granted
+    # Every kind the operator creates, with exactly what it does to it (child_kinds).
+    for child in CHILD_KINDS:
+        assert {v for g, res, v in granted if (g, res) == (child.group, child.plural)} == \
+            set(CHILD_VERBS), child.kind
     assert ("serving.disagg.dev", "disaggservings/status", "patch") in granted
 
     (deployment,) = stored(cluster, "deployments")

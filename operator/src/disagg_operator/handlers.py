@@ -25,6 +25,7 @@ from prometheus_client import start_http_server
 from disagg_operator import metrics
 from disagg_operator.association import LABEL_MANAGED_BY, MANAGED_BY
 from disagg_operator.autoscaler import SAMPLE_SECONDS, Autoscaler
+from disagg_operator.child_kinds import CHILD_KINDS
 from disagg_operator.etcd_health import EtcdHealthChecker
 from disagg_operator.kube import ApiFailure, LightkubeApi, LightkubeLeaseStore
 from disagg_operator.leader import ElectionSettings, LeaderElector
@@ -233,25 +234,17 @@ async def disaggserving_changed(body: kopf.Body, uid: str, memo: kopf.Memo,
         board.wake(uid)
 
 
-@kopf.on.event("", "v1", "configmaps", labels={LABEL_MANAGED_BY: MANAGED_BY},
-               registry=registry)
-@kopf.on.event("", "v1", "services", labels={LABEL_MANAGED_BY: MANAGED_BY},
-               registry=registry)
-@kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY},
-               registry=registry)
-@kopf.on.event("apps", "v1", "statefulsets", labels={LABEL_MANAGED_BY: MANAGED_BY},
-               registry=registry)
-@kopf.on.event("networking.k8s.io", "v1", "networkpolicies",
-               labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry)
-@kopf.on.event("policy", "v1", "poddisruptionbudgets", labels={LABEL_MANAGED_BY: MANAGED_BY},
-               registry=registry)
-@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets",
-               labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry)
 async def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     board: WakeBoard = memo.context.wakeboard
     for ref in body.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/"):
             board.wake(ref["uid"])
+
+
+# Any event of an object it owns wakes its DisaggServing: one watch per child kind.
+for _child in CHILD_KINDS:
+    kopf.on.event(_child.group, _child.version, _child.plural,
+                  labels={LABEL_MANAGED_BY: MANAGED_BY}, registry=registry)(child_changed)
 
 
 def _names(keys: list[tuple[str, str]]) -> str:

@@ -16,29 +16,18 @@ from lightkube.types import CascadeType, PatchType
 
 from disagg_operator import metrics
 from disagg_operator.association import Owner, owned_labels
+from disagg_operator.child_kinds import CHILD_KINDS
 from disagg_operator.field_ownership import FIELD_MANAGER
 from disagg_operator.leader import LeaseRecord
 from disagg_operator.render import Manifest
 from disagg_operator.spec import GROUP, KIND, PLURAL, VERSION
 
-_RESOURCES = {
-    "ConfigMap": create_namespaced_resource("", "v1", "ConfigMap", "configmaps"),
-    "Service": create_namespaced_resource("", "v1", "Service", "services"),
-    "Deployment": create_namespaced_resource("apps", "v1", "Deployment", "deployments"),
-    "StatefulSet": create_namespaced_resource("apps", "v1", "StatefulSet", "statefulsets"),
-    "NetworkPolicy": create_namespaced_resource("networking.k8s.io", "v1", "NetworkPolicy",
-                                                "networkpolicies"),
-    "PodDisruptionBudget": create_namespaced_resource("policy", "v1", "PodDisruptionBudget",
-                                                      "poddisruptionbudgets"),
-    "LeaderWorkerSet": create_namespaced_resource("leaderworkerset.x-k8s.io", "v1",
-                                                  "LeaderWorkerSet", "leaderworkersets"),
-}
+_RESOURCES = {child.kind: create_namespaced_resource(child.group, child.version, child.kind,
+                                                     child.plural) for child in CHILD_KINDS}
 # Kinds a cluster serves only with an add-on installed (their CRD): listed only if served.
-OPTIONAL_KINDS = ("LeaderWorkerSet",)
+OPTIONAL_KINDS = tuple(child.kind for child in CHILD_KINDS if child.optional)
 _POD = create_namespaced_resource("", "v1", "Pod", "pods")
 _EVENT = create_namespaced_resource("", "v1", "Event", "events")
-# The kinds render() produces, i.e. every kind the operator may need to prune.
-CHILD_KINDS = tuple(_RESOURCES)
 DisaggServingResource = create_namespaced_resource(GROUP, VERSION, KIND, PLURAL)
 _LEASE = create_namespaced_resource("coordination.k8s.io", "v1", "Lease", "leases")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import kmock
 import kopf
+from disagg_operator.child_kinds import CHILD_KINDS
 from disagg_operator.crd import build_crd
 from disagg_operator.handlers import OperatorConfig, registry
 from disagg_operator.spec import PLURAL
@@ -24,8 +25,8 @@ from disagg_devtools.emulator.server import ClusterEmulator, Readiness
 from disagg_devtools.waiting import wait_for
 
 # The watches kopf opens for our handlers; objects created before them would be missed.
-WATCHED = (PLURAL, "deployments", "statefulsets", "services", "configmaps", "networkpolicies",
-           "poddisruptionbudgets")
+# (An add-on kind is watched only where its CRD is installed.)
+WATCHED = (PLURAL, *(child.plural for child in CHILD_KINDS if not child.optional))
 
 
 def write_kubeconfig(path: Path, server_url: str, namespace: str = "default") -> Path:
