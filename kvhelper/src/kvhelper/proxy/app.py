@@ -680,9 +680,8 @@ class Proxy:
         if record.finished:  # it broke after its last token: only the [DONE] was missing
             await response.write(b"data: [DONE]\n\n")
             return True
-        tried = [failed]
+        tried, fingerprint = [failed], failed.instance.fingerprint
         for _attempt in range(self.config.decode_attempts):
-            fingerprint = failed.instance.fingerprint
             backend = (self.pool.pick("decode", fingerprint, exclude=tried)
                        or self.pool.pick("decode", exclude=tried))
             if backend is None:
@@ -697,7 +696,6 @@ class Proxy:
             log.warning("[%s] continuing the stream on %s after %d tokens", request_id,
                         backend.url, len(record.generated))
             if await self._continue_on(response, record, backend, body, upstream_headers):
-                record.continued += 1
                 self.metrics.continuations.labels("continued").inc()
                 return True
         self.metrics.continuations.labels("failed").inc()

@@ -87,7 +87,6 @@ class StreamRecord:
     finished: bool = False  # a finish_reason, or [DONE], was passed on
     text_chars: int = 0  # characters of completion text passed on (logprob offsets)
     identity: dict[str, Any] = field(default_factory=dict)  # id, created, model of chunk 1
-    continued: int = 0  # continuations so far
     content_only: bool = True  # no reasoning or tool-call deltas seen (chat)
 
     def relay(self, event: bytes) -> bytes:
