@@ -10,9 +10,11 @@ frozen (SIGSTOP). The decode stand-ins run a deterministic stand-in model
 breaks on another instance, and the client can check every answer against the uninterrupted
 one. Per scenario and routing policy it prints the requests sent, those that failed (an HTTP
 error, or a stream without its [DONE]), those that failed before any token reached the client,
-those whose text differs from the uninterrupted answer (wrong), and the longest a client waited
-for its first token. `--proxy-arg=--no-continue-streams` shows the proxy that ends a broken
-stream with an error event. Bounded by --seconds per scenario.
+those whose text differs from the uninterrupted answer (wrong), the longest a client waited
+for its first token, and the seconds after the failure in which fewer than half as many
+requests finished as in an average second before it. `--proxy-arg=--no-continue-streams`
+shows the proxy that ends a broken stream with an error event. Bounded by --seconds per
+scenario.
 
     .venv-serving/bin/python benchmarks/proxy_failover.py
     .venv-serving/bin/python benchmarks/proxy_failover.py --seconds 20 --event-at 8
@@ -87,6 +89,7 @@ class Outcome:
     first_token_wait: float
     detail: str = ""  # what the client saw when it failed
     wrong: bool = False  # finished, with other text than the uninterrupted answer
+    ended: float = 0.0  # when it ended, in seconds from the load's start
 
 
 @dataclass
@@ -94,6 +97,23 @@ class Result:
     scenario: str
     routing: str
     outcomes: list[Outcome] = field(default_factory=list)
+    event_at: float = 0.0
+
+    @property
+    def slow_seconds(self) -> int:
+        """Whole seconds after the failure in which fewer than half as many requests finished
+        as in an average second before it: how long the failure cost the other instances'
+        traffic too."""
+        before = [o for o in self.outcomes if o.ended < self.event_at]
+        if not before or self.event_at < 1:
+            return 0
+        rate = len(before) / self.event_at
+        last = int(max(o.ended for o in self.outcomes))
+        bins = [0] * (last + 1)
+        for o in self.outcomes:
+            bins[int(o.ended)] += o.ok
+        return sum(1 for second in range(int(self.event_at), last)
+                   if bins[second] < rate / 2)
 
     @property
     def failed(self) -> int:
@@ -191,9 +211,13 @@ async def load(proxy_port: int, seconds: float, concurrency: int, event_at: floa
     stop_at = time.monotonic() + seconds
     timeout = aiohttp.ClientTimeout(total=seconds + 60)
 
+    began = time.monotonic()
+
     async def worker(session: aiohttp.ClientSession) -> None:
         while time.monotonic() < stop_at:
-            outcomes.append(await one_request(session, url, len(outcomes), tokens))
+            outcome = await one_request(session, url, len(outcomes), tokens)
+            outcome.ended = time.monotonic() - began
+            outcomes.append(outcome)
 
     async def trigger() -> None:
         await asyncio.sleep(event_at)
@@ -214,7 +238,7 @@ def run(scenario: str, routing: str, seconds: float, event_at: float, concurrenc
             victim.send_signal(signal.SIGKILL if scenario == "kill" else signal.SIGSTOP)
 
         outcomes = asyncio.run(load(proxy_port, seconds, concurrency, event_at, event, tokens))
-    return Result(scenario, routing, outcomes)
+    return Result(scenario, routing, outcomes, event_at)
 
 
 def main() -> None:
@@ -247,7 +271,8 @@ def main() -> None:
           f"killed or frozen {args.event_at:g} s into {args.seconds:g} s; proxy "
           f"{' '.join(proxy_args) or 'defaults'}")
     print(f"{'scenario':8} {'routing':18} {'requests':>8} {'failed':>7} "
-          f"{'failed before streaming':>24} {'wrong':>6} {'longest first-token wait':>25}")
+          f"{'failed before streaming':>24} {'wrong':>6} {'longest first-token wait':>25} "
+          f"{'seconds at half rate':>21}")
     log = open(args.proxy_log, "ab") if args.proxy_log else subprocess.DEVNULL
     for scenario in SCENARIOS:
         for routing in ROUTINGS:
@@ -255,7 +280,8 @@ def main() -> None:
                          args.tokens, args.token_delay, proxy_args, log)
             print(f"{scenario:8} {routing:18} {len(result.outcomes):8} {result.failed:7} "
                   f"{result.failed_before_streaming:24} {result.wrong:6} "
-                  f"{result.longest_first_token_wait:24.2f}s", flush=True)
+                  f"{result.longest_first_token_wait:24.2f}s {result.slow_seconds:21}",
+                  flush=True)
             if args.show_failures:
                 for outcome in result.outcomes:
                     if not outcome.ok:
