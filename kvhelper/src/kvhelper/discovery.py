@@ -57,7 +57,7 @@ class RegistrationView:
         for key in set(self.live) - set(found):
             self._lapse(key)
         self.live = {k: v for k, v in found.items() if not v.withdrawing}
-        for key in set(self.live) | {k for k, v in found.items() if v.withdrawing}:
+        for key in found:  # registered again, or being withdrawn: not lapsed any more
             self.lapsed.pop(key, None)
 
     def put(self, key: str, instance: Instance) -> None:

@@ -18,11 +18,15 @@ This module is pure: the proxy does the I/O.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 DONE = b"[DONE]"
+# msgspec, as in the proxy's app: every event of a continuable stream is parsed and written.
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
 # vLLM's completions default when max_tokens is absent.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 # Chat request fields that carry over to the continuation's completions request.
@@ -97,7 +101,7 @@ class StreamRecord:
         if data == DONE:
             self.finished = True
             return event + b"\n\n"
-        chunk = json.loads(data)
+        chunk = _decode(data)
         if not self.identity:
             self.identity = {k: chunk[k] for k in ("id", "created", "model") if k in chunk}
         self._record(chunk)
@@ -112,7 +116,7 @@ class StreamRecord:
                 self.finished = True
                 return b"data: [DONE]\n\n"
             return None
-        chunk = json.loads(data)
+        chunk = _decode(data)
         choices = chunk.get("choices") or []
         for choice in choices:
             choice.pop("prompt_token_ids", None)
@@ -193,6 +197,3 @@ class StreamRecord:
             request["min_tokens"] = max(0, int(min_tokens) - len(self.generated))
         return request
 
-
-def _encode(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()
