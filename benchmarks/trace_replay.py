@@ -318,17 +318,20 @@ def route_counts(text: str) -> dict[str, float]:
     return counts
 
 
-def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: Path,
-              max_tokens: int, local_prefill_tokens: int = 0) -> Row:
+def stack_doc(kind: str, stack: str, prefills: int, local_prefill_tokens: int = 0,
+              decodes: int | None = None, model: str | None = None) -> dict[str, Any]:
+    """The tiny `kind` example's DisaggServing set up as `stack` (see the module's doc), with
+    `prefills` prefill instances (and `decodes`, `model` when given)."""
     import yaml
-    from disagg_devtools.local.cli import with_tiny_model
-    from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
-    from disagg_devtools.processes import free_port
-    from disagg_operator.spec import parse_spec
 
-    doc = yaml.safe_load((ROOT / "examples" / f"tiny-{kind}-1p2d.yaml").read_text())
+    doc: dict[str, Any] = yaml.safe_load(
+        (ROOT / "examples" / f"tiny-{kind}-1p2d.yaml").read_text())
     spec_doc = doc["spec"]
     spec_doc.setdefault("prefill", {})["replicas"] = prefills
+    if decodes is not None:
+        spec_doc.setdefault("decode", {})["replicas"] = decodes
+    if model is not None:
+        spec_doc["model"]["name"] = spec_doc["model"]["servedModelName"] = model
     transfer = spec_doc.setdefault("kvTransfer", {})
     if stack == "reuse-off":
         transfer.setdefault("extraConfig", {})["store_lookup"] = False
@@ -349,8 +352,19 @@ def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: P
         transfer.setdefault("extraConfig", {})["lookup_load_async"] = True
     elif stack == "kvhelper-local":
         spec_doc.setdefault("proxy", {})["localPrefillTokens"] = local_prefill_tokens
+    return doc
+
+
+def run_stack(kind: str, stack: str, prefills: int, work: Replay, folder_root: Path,
+              max_tokens: int, local_prefill_tokens: int = 0) -> Row:
+    from disagg_devtools.local.cli import with_tiny_model
+    from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
+    from disagg_devtools.processes import free_port
+    from disagg_operator.spec import parse_spec
+
+    doc = stack_doc(kind, stack, prefills, local_prefill_tokens)
     folder = RunFolder(folder_root / f"{stack}-{prefills}p")
-    spec = with_tiny_model(parse_spec(spec_doc), folder, sys.executable)
+    spec = with_tiny_model(parse_spec(doc["spec"]), folder, sys.executable)
     served = spec.model.served_model_name or spec.model.name
     deployment = LocalDeployment(doc["metadata"]["name"], spec, folder, proxy_port=free_port(),
                                  echo=lambda _: None)

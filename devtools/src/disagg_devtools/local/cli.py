@@ -29,11 +29,11 @@ from disagg_devtools.local.runner import (
     process_reports,
     stop_recorded,
 )
+from disagg_devtools.tiny_models import MODEL_NAMES
 
 EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 DEMO_EXAMPLE = EXAMPLES / "tiny-mla-1p2d.yaml"
 DEFAULT_RUN_ROOT = Path(".disagg-local")
-TINY_MODELS = {"tiny-mla": "mla", "tiny-gqa": "gqa"}
 
 
 def load(path: Path, model: str | None) -> tuple[str, DisaggServingSpec]:
@@ -71,16 +71,18 @@ def check_serving_python(python: str) -> None:
 
 def with_tiny_model(spec: DisaggServingSpec, folder: RunFolder, python: str
                     ) -> DisaggServingSpec:
-    """`spec.model.name: tiny-mla` or `tiny-gqa` (and no such folder here) means the
-    project's tiny random-weight model, generated into the run folder: no model hub needed."""
-    kind = TINY_MODELS.get(spec.model.name)
-    if kind is None or Path(spec.model.name).exists():
+    """`spec.model.name: tiny-mla` or `tiny-gqa` (or `tiny-mla-compute`, `tiny-gqa-compute`;
+    and no such folder here) means the project's random-weight model of that kind and size,
+    generated into the run folder: no model hub needed."""
+    found = MODEL_NAMES.get(spec.model.name)
+    if found is None or Path(spec.model.name).exists():
         return spec
+    kind, size = found
     model_dir = folder.root / f"{spec.model.name}-model"
     if not (model_dir / "config.json").exists():
-        click.echo(f"generating the tiny {kind.upper()} model in {model_dir}")
-        subprocess.run([python, "-m", "disagg_devtools.tiny_models", kind, str(model_dir)],
-                       check=True, stdout=subprocess.DEVNULL)
+        click.echo(f"generating the {size} {kind.upper()} model in {model_dir}")
+        subprocess.run([python, "-m", "disagg_devtools.tiny_models", kind, str(model_dir),
+                        "--size", size], check=True, stdout=subprocess.DEVNULL)
     model = spec.model.model_copy(update={
         "name": str(model_dir.resolve()),
         "served_model_name": spec.model.served_model_name or spec.model.name})
