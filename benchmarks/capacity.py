@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
+import json
 import math
 import os
 import random
@@ -69,6 +70,7 @@ class Timing:
     sent: float
     ttft: float | None = None
     gaps: list[float] = field(default_factory=list)
+    error: str = ""  # why it failed
 
 
 @dataclass(frozen=True)
@@ -179,21 +181,37 @@ Route = Callable[[list[int]], contextlib.AbstractContextManager[str]]
 
 async def stream(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
                  max_tokens: int, timing: Timing, began: float) -> None:
+    """One streamed request; its timing is filled in only if every token came back. An event
+    may carry more than one token (vLLM holds back text that ends inside a UTF-8 character),
+    so the count comes from the stream's usage."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     marks: list[float] = []
+    generated = 0
     try:
         async with session.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT) as answer:
             if answer.status != 200:
+                timing.error = f"HTTP {answer.status}: {(await answer.text())[:200]}"
                 return
             async for raw in answer.content:
-                if raw.startswith(b"data: {") and b'"error"' not in raw:
+                if not raw.startswith(b"data: {"):
+                    continue
+                event = json.loads(raw[len(b"data: "):])
+                if "error" in event:
+                    timing.error = f"error event: {str(event['error'])[:200]}"
+                    return
+                if event.get("choices"):
                     marks.append(time.perf_counter() - began)
-    except (aiohttp.ClientError, TimeoutError):
+                if event.get("usage"):
+                    generated = event["usage"]["completion_tokens"]
+    except (aiohttp.ClientError, TimeoutError) as err:
+        timing.error = f"{type(err).__name__}: {err}"
         return
-    if len(marks) == max_tokens:  # a stream cut short is a failed request
-        timing.ttft = marks[0] - timing.sent
-        timing.gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
+    if not marks or generated != max_tokens:  # a stream cut short is a failed request
+        timing.error = f"{generated} of {max_tokens} tokens in {len(marks)} events"
+        return
+    timing.ttft = marks[0] - timing.sent
+    timing.gaps = [b - a for a, b in zip(marks, marks[1:], strict=False)]
 
 
 async def replay_at(route: Route, model: str, prompts: list[list[int]],
@@ -270,6 +288,9 @@ class Sweep:
             point = Point(stack, rate, tuple(timings), seconds)
             points.append(point)
             self.echo(row(point, self.targets))
+            for timing in point.timings:
+                if timing.error:
+                    self.echo(f"  failed request: {timing.error}")
             if point.slack(self.targets) > self.give_up:
                 break
         return points
