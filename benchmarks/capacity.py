@@ -49,16 +49,22 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trace_replay import (  # noqa: E402  (a script beside this one)
+    PHASES,
     TRACE,
     Replay,
     engine_block_tokens,
     map_to_tokens,
     percentile,
+    route_counts,
     sample,
+    scrape_text,
     stack_doc,
 )
 
 STACKS = ("kvhelper", "vllm-builtin", "reuse-off", "monolithic")
+# trace_replay's variants of kvhelper, for finding where a difference comes from.
+VARIANTS = ("kvhelper-no-routing", "kvhelper-no-lookup", "kvhelper-local", "kvhelper-sync",
+            "kvhelper-step-loads", "kvhelper-lookup-async", "kvhelper-save")
 TIMEOUT = aiohttp.ClientTimeout(total=300)
 SEGMENT = "1Gi"  # each engine's share of the store: every rate's prompts fit
 
@@ -95,6 +101,7 @@ class Point:
     rate: float
     timings: tuple[Timing, ...]
     seconds: float  # from the first request sent to the last answer
+    routes: dict[str, float] = field(default_factory=dict)  # the proxy's decisions, P/D only
 
     @property
     def failed(self) -> int:
@@ -244,13 +251,13 @@ def at_rate(work: Replay, rate: float) -> list[float]:
 def measure_targets(url: str, model: str, length: int, vocab: int, max_tokens: int,
                     factor: float) -> Targets:
     """`factor` x one idle instance's latencies: TTFT of cold prompts of `length` tokens
-    (median of 3), the median gap between tokens of lone streams."""
+    (the median of 8, after one to warm up), the median gap between tokens of those streams."""
     rng = random.Random(12345)
     ttfts, gaps = [], []
 
     async def measure() -> None:
         async with aiohttp.ClientSession() as session:
-            for _ in range(4):
+            for _ in range(9):
                 timing = Timing(sent=0.0)
                 began = time.perf_counter()
                 prompt = [rng.randrange(10, vocab) for _ in range(length)]
@@ -279,13 +286,20 @@ class Sweep:
     targets: Targets | None = None
     echo: Callable[[str], None] = print
 
-    def run(self, stack: str, route: Route) -> list[Point]:
+    def run(self, stack: str, route: Route,
+            routes: Callable[[], dict[str, float]] = dict) -> list[Point]:
+        """Every rate in turn; `routes`: the proxy's route counters, read after each."""
         assert self.targets is not None
         points = []
+        before = routes()
         for rate, work in self.works.items():
             timings, seconds = asyncio.run(replay_at(route, self.served, work.prompts,
                                                      at_rate(work, rate), self.max_tokens))
-            point = Point(stack, rate, tuple(timings), seconds)
+            after = routes()
+            point = Point(stack, rate, tuple(timings), seconds,
+                          {k: v - before.get(k, 0.0) for k, v in after.items()
+                           if v - before.get(k, 0.0)})
+            before = after
             points.append(point)
             self.echo(row(point, self.targets))
             for timing in point.timings:
@@ -294,6 +308,27 @@ class Sweep:
             if point.slack(self.targets) > self.give_up:
                 break
         return points
+
+
+def proxy_counters(text: str) -> dict[str, float]:
+    """The proxy's route decisions, and the sum and count of each phase's seconds (`lookup`,
+    `prefill`, `decode` to its first byte) as `PHASE_s` and `PHASE_n`."""
+    counters = route_counts(text)
+    for phase, metric, label in PHASES:
+        for line in text.splitlines():
+            if label in line and line.startswith((f"{metric}_sum", f"{metric}_count")):
+                key = f"{phase}_s" if line.startswith(f"{metric}_sum") else f"{phase}_n"
+                counters[key] = counters.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters
+
+
+def phase_text(counters: dict[str, float]) -> str:
+    """Mean ms per phase, then the route decisions."""
+    means = [f"{phase}={counters[phase + '_s'] / counters[phase + '_n'] * 1000:.0f}ms"
+             for phase, _, _ in PHASES if counters.get(phase + "_n")]
+    routes = [f"{k}={v:.0f}" for k, v in sorted(counters.items())
+              if not k.endswith(("_s", "_n"))]
+    return " ".join(means + routes)
 
 
 def run_disaggregated(sweep: Sweep, stack: str, folder_root: Path) -> list[Point]:
@@ -309,7 +344,7 @@ def run_disaggregated(sweep: Sweep, stack: str, folder_root: Path) -> list[Point
                                  proxy_port=free_port(), echo=lambda _: None)
     try:
         url = asyncio.run(deployment.up(timeout=900))
-        return sweep.run(stack, lambda _: one_url(url))
+        return sweep.run(stack, lambda _: one_url(url), lambda: proxy_counters(scrape_text(url)))
     finally:
         stop_recorded(folder, lambda _: None)
 
@@ -338,11 +373,12 @@ def row(point: Point, targets: Targets) -> str:
     return (f"{point.stack:<14}{point.rate:>6.2f}{len(point.timings):>6}{point.failed:>7}"
             f"{point.ttft(0.5) * 1000:>8.0f}{point.ttft(0.9) * 1000:>8.0f}"
             f"{point.itl(0.5) * 1000:>7.1f}{point.itl(0.9) * 1000:>7.1f}"
-            f"{point.within(targets) * 100:>8.0f}%{slack:>7.2f}{point.seconds:>7.0f}s")
+            f"{point.within(targets) * 100:>8.0f}%{slack:>7.2f}{point.seconds:>7.0f}s  "
+            + phase_text(point.routes))
 
 
 HEADER = (f"{'stack':<14}{'rate':>6}{'req':>6}{'failed':>7}{'TTFT50':>8}{'TTFT90':>8}"
-          f"{'ITL50':>7}{'ITL90':>7}{'within':>9}{'slack':>7}{'took':>8}")
+          f"{'ITL50':>7}{'ITL90':>7}{'within':>9}{'slack':>7}{'took':>8}  routes")
 
 
 def report(points: list[Point], targets: Targets) -> str:
@@ -395,7 +431,7 @@ def parser() -> argparse.ArgumentParser:
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     add = cli.add_argument
     add("--kind", choices=["mla", "gqa"], default="gqa")
-    add("--stacks", nargs="+", choices=STACKS, default=list(STACKS))
+    add("--stacks", nargs="+", choices=STACKS + VARIANTS, default=list(STACKS))
     add("--rates", type=float, nargs="+", default=[0.5, 1, 1.5, 2, 3, 4])
     add("--requests", type=int, default=48, help="requests per rate")
     add("--trace", type=Path, default=TRACE)
