@@ -12,6 +12,8 @@ vLLM, Mooncake, etcd, proxy) and write the simulator's `tiny-mla-cpu` profile:
 
     .venv-serving/bin/python simulator/profiling/cpu_tiny.py \\
         --out simulator/src/disagg_sim/profiles/tiny-mla-cpu.yaml
+    .venv-serving/bin/python simulator/profiling/cpu_tiny.py --model tiny-mla-compute \\
+        --out simulator/src/disagg_sim/profiles/tiny-mla-compute-cpu.yaml
 
 About four minutes on 2 cores. As root it runs in a private network namespace.
 benchmarks/sim_validation.py measures a profile this way before each of its replays.
@@ -114,9 +116,11 @@ def store_loads(prefill_log: str) -> list[tuple[int, float]]:
 
 
 
-def measure_profile(echo: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Start a local 1P2D deployment of the tiny MLA model, measure it and return the profile
-    (the YAML file's content). Call it inside a private network namespace."""
+def measure_profile(echo: Callable[[str], None] | None = None, model: str = "tiny-mla"
+                    ) -> dict[str, Any]:
+    """Start a local 1P2D deployment of the project's MLA `model` (`tiny-mla`, or the
+    compute-sized `tiny-mla-compute`), measure it and return the profile (the YAML file's
+    content). Call it inside a private network namespace."""
     from disagg_devtools.local.cli import load, with_tiny_model
     from disagg_devtools.local.runner import LocalDeployment, RunFolder, stop_recorded
     from disagg_devtools.processes import free_port
@@ -124,7 +128,7 @@ def measure_profile(echo: Callable[[str], None] | None = None) -> dict[str, Any]
 
     with tempfile.TemporaryDirectory(prefix="sim-profile-") as scratch:
         folder = RunFolder(Path(scratch))
-        name, spec = load(ROOT / "examples" / "tiny-mla-1p2d.yaml", None)
+        name, spec = load(ROOT / "examples" / "tiny-mla-1p2d.yaml", model)
         spec = with_tiny_model(spec, folder, sys.executable)
         config = json.loads((Path(spec.model.name) / "config.json").read_text())
         bytes_per_token = config["num_hidden_layers"] * (
@@ -144,7 +148,7 @@ def measure_profile(echo: Callable[[str], None] | None = None) -> dict[str, Any]
             points["store"] = store_loads(prefill_log.read_text(errors="replace"))
         finally:
             stop_recorded(folder, lambda _: None)
-    return build_profile(points, startup, bytes_per_token)
+    return build_profile(points, startup, bytes_per_token, model)
 
 
 def fit_transfer(points: list[tuple[int, float]], bytes_per_token: float
@@ -184,6 +188,7 @@ def main() -> None:
     cli = argparse.ArgumentParser(description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_argument("--out", type=Path, required=True, help="the profile file to write")
+    cli.add_argument("--model", choices=["tiny-mla", "tiny-mla-compute"], default="tiny-mla")
     cli.add_argument("--engine-threads", type=int, default=1,
                      help="OpenMP threads per engine, unbound, as the replays run them (0: "
                      "vLLM's own binding)")
@@ -194,11 +199,12 @@ def main() -> None:
     from disagg_devtools.local.runner import share_cores
 
     share_cores(args.engine_threads)
-    args.out.write_text(yaml.safe_dump(measure_profile(), sort_keys=False, width=100))
+    args.out.write_text(yaml.safe_dump(measure_profile(model=args.model), sort_keys=False,
+                                       width=100))
 
 
-def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float
-                  ) -> dict[str, Any]:
+def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float,
+                  model: str = "tiny-mla") -> dict[str, Any]:
     (p_base, p_token, p_context), p_error = fit([[1, n, n * n / 2] for n, _ in points["prefill"]],
                                                 [t for _, t in points["prefill"]])
     (d_base, d_seq, d_ctx), d_error = fit([[1, b, b * c] for b, c, _ in points["decode"]],
@@ -222,8 +228,8 @@ def build_profile(points: dict[str, Any], startup: float, bytes_per_token: float
     per_context, hit_error = fit_context(points.get("store_hits", []), prefill_s_after,
                                          store_load or transfer, bytes_per_token)
     profile = {
-        "name": "tiny-mla-cpu",
-        "description": "the project's tiny MLA model (vLLM CPU build, bfloat16, block 32) on "
+        "name": f"{model}-cpu",
+        "description": f"the project's {model} model (vLLM CPU build, bfloat16, block 32) on "
                        f"this {os.cpu_count()}-core machine, one process per instance",
         "prefill": {"base_s": p_base, "per_token_s": p_token, "per_token_context_s": p_context,
                     "max_batched_tokens": 2048, "gpus": 1, "per_context_token_s": per_context},
