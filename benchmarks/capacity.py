@@ -285,6 +285,7 @@ class Sweep:
     give_up: float
     targets: Targets | None = None
     echo: Callable[[str], None] = print
+    prefill_only: bool = False  # P/D stacks: straight to the prefill instance, 1 token each
 
     def run(self, stack: str, route: Route,
             routes: Callable[[], dict[str, float]] = dict) -> list[Point]:
@@ -322,6 +323,20 @@ def proxy_counters(text: str) -> dict[str, float]:
     return counters
 
 
+def engine_sources(url: str) -> dict[str, float]:
+    """Prompt tokens an engine computed and loaded (`computed`, `loaded`), once vLLM has
+    published them (on its 10-second logging interval)."""
+    time.sleep(11)
+    names = {"local_compute": "computed", "external_kv_transfer": "loaded"}
+    found: dict[str, float] = {}
+    for line in scrape_text(url).splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            if source in names:
+                found[names[source]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def phase_text(counters: dict[str, float]) -> str:
     """Mean ms per phase, then the route decisions."""
     means = [f"{phase}={counters[phase + '_s'] / counters[phase + '_n'] * 1000:.0f}ms"
@@ -344,6 +359,11 @@ def run_disaggregated(sweep: Sweep, stack: str, folder_root: Path) -> list[Point
                                  proxy_port=free_port(), echo=lambda _: None)
     try:
         url = asyncio.run(deployment.up(timeout=900))
+        if sweep.prefill_only:
+            prefill = next(f"http://127.0.0.1:{i.spec.port}" for i in deployment.started
+                           if i.spec.role == "prefill" and i.spec.port)
+            return sweep.run(stack, lambda _: one_url(prefill),
+                             lambda: engine_sources(prefill))
         return sweep.run(stack, lambda _: one_url(url), lambda: proxy_counters(scrape_text(url)))
     finally:
         stop_recorded(folder, lambda _: None)
@@ -395,8 +415,10 @@ def report(points: list[Point], targets: Targets) -> str:
         text = f"{rate:.2f}" if exact else (f">= {rate:.2f}" if rate else "< lowest rate")
         ratios = []
         for base in ("reuse-off", "vllm-builtin"):
-            base_rate = found.get(base, (0.0, False))[0]
-            ratios.append(f"{rate / base_rate:>8.2f}x" if base_rate and rate else f"{'-':>9}")
+            base_rate, base_exact = found.get(base, (0.0, False))
+            # A bound against a bound says nothing: only crossings are compared.
+            comparable = base_rate and rate and (exact or base_exact)
+            ratios.append(f"{rate / base_rate:>8.2f}x" if comparable else f"{'-':>9}")
         lines.append(f"{stack:<14}{text:>18}  {ratios[0]:>11}  {ratios[1]:>14}")
     return "\n".join(lines)
 
@@ -442,6 +464,10 @@ def parser() -> argparse.ArgumentParser:
     add("--slo-factor", type=float, default=3.0)
     add("--give-up", type=float, default=2.5,
         help="stop a stack's sweep once its slack exceeds this")
+    add("--prefill-only", action="store_true",
+        help="send each P/D stack's requests straight to its prefill instance, 1 token each "
+        "(what reuse does to prefill alone; ITL is not measured), with the tokens it computed "
+        "and loaded per rate")
     add("--plot", type=Path, default=None, help="write the PNG plot here")
     add("--keep", type=Path, default=None,
         help="keep each stack's folder (logs) under this folder")
@@ -479,8 +505,9 @@ def run(args: argparse.Namespace, echo: Callable[[str], None] = print) -> Result
             root.mkdir(parents=True, exist_ok=True)
         model_dir = root / f"tiny-{args.kind}-compute"
         (make_gqa if args.kind == "gqa" else make_mla)(model_dir, size="compute")
-        sweep = Sweep(args.kind, model_dir, f"tiny-{args.kind}", works, args.max_tokens,
-                      args.give_up, echo=echo)
+        sweep = Sweep(args.kind, model_dir, f"tiny-{args.kind}", works,
+                      1 if args.prefill_only else args.max_tokens, args.give_up, echo=echo,
+                      prefill_only=args.prefill_only)
         echo(f"{args.kind.upper()} compute model, {len(requests)} requests per rate "
              f"({first.prompt_tokens} prompt tokens, p90 prompt {p90_length} tokens, "
              f"{args.max_tokens} generated), ideal computed share "

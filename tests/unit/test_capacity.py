@@ -80,3 +80,11 @@ def test_the_router_spills_a_prefix_to_the_idle_instance_past_the_imbalance(benc
 def test_arrivals_keep_the_trace_spacing_at_the_asked_mean_rate(bench: Any) -> None:
     work = load_benchmark("trace_replay").Replay([[1]] * 3, [10.0, 11.0, 14.0], 8)
     assert bench.at_rate(work, 2.0) == pytest.approx([0.0, 0.25, 1.0])
+
+
+def test_the_report_compares_no_two_lower_bounds(bench: Any) -> None:
+    both_held = [point(bench, 1, 0.5), point(bench, 2, 0.6)]
+    rows = [bench.Point(stack, p.rate, p.timings, 1.0) for stack in ("kvhelper", "reuse-off")
+            for p in both_held]
+    capacity_rows = bench.report(rows, targets(bench)).split("capacity (req/s)")[1]
+    assert ">= 2.00" in capacity_rows and "1.00x" not in capacity_rows
