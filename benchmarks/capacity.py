@@ -101,7 +101,9 @@ class Point:
     rate: float
     timings: tuple[Timing, ...]
     seconds: float  # from the first request sent to the last answer
-    routes: dict[str, float] = field(default_factory=dict)  # the proxy's decisions, P/D only
+    # What the stack counted during this rate (P/D only): the proxy's route decisions and
+    # phase times, or with --prefill-only the prefill engine's computed and loaded tokens.
+    counters: dict[str, float] = field(default_factory=dict)
 
     @property
     def failed(self) -> int:
@@ -288,15 +290,15 @@ class Sweep:
     prefill_only: bool = False  # P/D stacks: straight to the prefill instance, 1 token each
 
     def run(self, stack: str, route: Route,
-            routes: Callable[[], dict[str, float]] = dict) -> list[Point]:
-        """Every rate in turn; `routes`: the proxy's route counters, read after each."""
+            counters: Callable[[], dict[str, float]] = dict) -> list[Point]:
+        """Every rate in turn; `counters`: the stack's cumulative counters, read after each."""
         assert self.targets is not None
         points = []
-        before = routes()
+        before = counters()
         for rate, work in self.works.items():
             timings, seconds = asyncio.run(replay_at(route, self.served, work.prompts,
                                                      at_rate(work, rate), self.max_tokens))
-            after = routes()
+            after = counters()
             point = Point(stack, rate, tuple(timings), seconds,
                           {k: v - before.get(k, 0.0) for k, v in after.items()
                            if v - before.get(k, 0.0)})
@@ -394,11 +396,11 @@ def row(point: Point, targets: Targets) -> str:
             f"{point.ttft(0.5) * 1000:>8.0f}{point.ttft(0.9) * 1000:>8.0f}"
             f"{point.itl(0.5) * 1000:>7.1f}{point.itl(0.9) * 1000:>7.1f}"
             f"{point.within(targets) * 100:>8.0f}%{slack:>7.2f}{point.seconds:>7.0f}s  "
-            + phase_text(point.routes))
+            + phase_text(point.counters))
 
 
 HEADER = (f"{'stack':<14}{'rate':>6}{'req':>6}{'failed':>7}{'TTFT50':>8}{'TTFT90':>8}"
-          f"{'ITL50':>7}{'ITL90':>7}{'within':>9}{'slack':>7}{'took':>8}  routes")
+          f"{'ITL50':>7}{'ITL90':>7}{'within':>9}{'slack':>7}{'took':>8}  counted")
 
 
 def report(points: list[Point], targets: Targets) -> str:
