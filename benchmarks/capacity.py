@@ -55,10 +55,12 @@ from trace_replay import (  # noqa: E402  (a script beside this one)
     engine_block_tokens,
     map_to_tokens,
     percentile,
+    phase_totals,
     route_counts,
     sample,
     scrape_text,
     stack_doc,
+    tokens_by_source,
 )
 
 STACKS = ("kvhelper", "vllm-builtin", "reuse-off", "monolithic")
@@ -314,29 +316,19 @@ class Sweep:
 
 
 def proxy_counters(text: str) -> dict[str, float]:
-    """The proxy's route decisions, and the sum and count of each phase's seconds (`lookup`,
-    `prefill`, `decode` to its first byte) as `PHASE_s` and `PHASE_n`."""
-    counters = route_counts(text)
-    for phase, metric, label in PHASES:
-        for line in text.splitlines():
-            if label in line and line.startswith((f"{metric}_sum", f"{metric}_count")):
-                key = f"{phase}_s" if line.startswith(f"{metric}_sum") else f"{phase}_n"
-                counters[key] = counters.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-    return counters
+    """The proxy's route decisions, and each phase's seconds (`lookup`, `prefill`, `decode` to
+    its first byte) as sum and count (`PHASE_s`, `PHASE_n`)."""
+    return route_counts(text) | phase_totals(text)
 
 
 def engine_sources(url: str) -> dict[str, float]:
     """Prompt tokens an engine computed and loaded (`computed`, `loaded`), once vLLM has
     published them (on its 10-second logging interval)."""
     time.sleep(11)
-    names = {"local_compute": "computed", "external_kv_transfer": "loaded"}
-    found: dict[str, float] = {}
-    for line in scrape_text(url).splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            if source in names:
-                found[names[source]] = float(line.rsplit(" ", 1)[1])
-    return found
+    found = tokens_by_source(scrape_text(url))
+    return {name: found[source] for source, name in (("local_compute", "computed"),
+                                                     ("external_kv_transfer", "loaded"))
+            if source in found}
 
 
 def phase_text(counters: dict[str, float]) -> str:

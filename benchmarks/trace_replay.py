@@ -243,10 +243,20 @@ async def replay(url: str, model: str, work: Replay, max_tokens: int,
     return outcome
 
 
+def tokens_by_source(metrics_text: str) -> dict[str, float]:
+    """An instance's prompt tokens by where they came from (`local_compute`,
+    `local_cache_hit`, `external_kv_transfer`)."""
+    found: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith(COMPUTED):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            found[source] = found.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
 def computed_tokens(metrics_text: str) -> float:
     """Prompt tokens an instance computed itself (not from its prefix cache or a transfer)."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines()
-               if line.startswith(COMPUTED) and 'source="local_compute"' in line)
+    return tokens_by_source(metrics_text).get("local_compute", 0.0)
 
 
 def store_loaded_blocks(metrics_text: str) -> float:
@@ -288,21 +298,22 @@ PHASES = (("lookup", "disagg_proxy_store_lookup_seconds", ""),
           ("decode", "disagg_proxy_phase_seconds", 'phase="decode"'))
 
 
-def phase_means(text: str) -> dict[str, float]:
-    """Where a request's time goes at the proxy: the mean of each phase's histogram."""
-    means = {}
+def phase_totals(text: str) -> dict[str, float]:
+    """Each proxy phase's histogram sum and count, as `PHASE_s` and `PHASE_n`."""
+    totals: dict[str, float] = {}
     for phase, metric, label in PHASES:
-        total = count = 0.0
         for line in text.splitlines():
             if label in line and line.startswith((f"{metric}_sum", f"{metric}_count")):
-                value = float(line.rsplit(" ", 1)[1])
-                if line.startswith(f"{metric}_sum"):
-                    total += value
-                else:
-                    count += value
-        if count:
-            means[phase] = total / count
-    return means
+                key = f"{phase}_s" if line.startswith(f"{metric}_sum") else f"{phase}_n"
+                totals[key] = totals.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def phase_means(text: str) -> dict[str, float]:
+    """Where a request's time goes at the proxy: the mean of each phase's histogram."""
+    totals = phase_totals(text)
+    return {phase: totals[f"{phase}_s"] / totals[f"{phase}_n"] for phase, _, _ in PHASES
+            if totals.get(f"{phase}_n")}
 
 
 def route_counts(text: str) -> dict[str, float]:
